@@ -1,0 +1,204 @@
+"""`streamworld` command line.
+
+Subcommands that exist today: `generate` (the sequential reference generator) and `models`
+(the model presets). `serve`, `bench`, `train` and `eval` arrive with their issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+
+
+class UsageError(Exception):
+    """A problem with the user's arguments or files: printed as one line, exit code 2."""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-wan", help="model preset (see `streamworld models`; default: tiny-wan)")
+    p.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="local diffusers-style folder with transformer/, vae/, text_encoder/ and tokenizer/",
+    )
+    p.add_argument(
+        "--dit",
+        metavar="PATH",
+        help="DiT checkpoint: diffusers folder, original Wan file, CausVid model.pt or Self-Forcing .pt",
+    )
+    p.add_argument("--vae", metavar="DIR", help="local diffusers AutoencoderKLWan folder")
+    p.add_argument("--text-encoder", metavar="DIR", help="local umT5 encoder folder with its tokenizer")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="run a real-size model with seeded random weights (timing benchmarks only)",
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamworld",
+        description="Real-time serving of autoregressive video diffusion world models.",
+    )
+    parser.add_argument("--version", action="version", version=f"streamworld {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate a clip with the sequential reference generator",
+        description=(
+            "Generate a clip chunk by chunk with the sequential reference generator (no engine). "
+            "The same model, seed and inputs always give the same frames."
+        ),
+    )
+    _add_model_args(gen)
+    gen.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
+    gen.add_argument("--chunks", type=int, default=3, help="number of chunks to generate (default 3)")
+    gen.add_argument("--prompt", default="", help="text prompt (models that take prompts)")
+    gen.add_argument("--image", metavar="PNG", help="first frame (image-to-world models)")
+    gen.add_argument(
+        "--actions",
+        metavar="FILE.json",
+        help='per-video-frame actions: a JSON list of vectors, or {"actions": [[...], ...]}',
+    )
+    gen.add_argument("--kv-mode", choices=("clean", "final", "noisy"), help="KV mode (default: the model's)")
+    gen.add_argument("--out", required=True, metavar="PATH", help="output .npy (uint8 [T, H, W, 3]) or .mp4")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="list the model presets")
+    models.add_argument("--json", action="store_true", help="print the /v1/models entries as JSON")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def _load_model(args: argparse.Namespace):
+    from .models import get_preset
+    from .models.world_model import WeightPaths, WorldModel
+
+    try:
+        config = get_preset(args.model)
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
+    for name in ("weights", "dit", "vae", "text_encoder"):
+        path = getattr(args, name)
+        if path is not None and not Path(path).exists():
+            raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
+    try:
+        return WorldModel.load(
+            config, weights, random_weights=args.random_weights, device=args.device, dtype=args.dtype
+        )
+    except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
+        raise UsageError(str(e).splitlines()[0] if "\n" not in str(e) else str(e)) from None
+
+
+def _read_actions(path: str) -> np.ndarray:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--actions: {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--actions: {path} is not valid JSON ({e})") from None
+    if isinstance(data, dict):
+        data = data.get("actions")
+    try:
+        arr = np.asarray(data, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise UsageError(f"--actions: {path} must hold a list of equal-length number lists") from None
+    if arr.ndim != 2:
+        raise UsageError(f"--actions: {path} must hold a list of vectors, got shape {arr.shape}")
+    return arr
+
+
+def _read_image(path: str) -> np.ndarray:
+    import av
+
+    try:
+        with av.open(path) as container:
+            frame = next(container.decode(video=0))
+    except (FileNotFoundError, av.error.FileNotFoundError):
+        raise UsageError(f"--image: {path} does not exist") from None
+    except (av.error.InvalidDataError, StopIteration):
+        raise UsageError(f"--image: {path} is not a readable image") from None
+    return frame.to_ndarray(format="rgb24")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine.reference import GenerationRequest, ReferenceGenerator
+    from .server.media import write_mp4
+
+    out = Path(args.out)
+    if out.suffix not in (".npy", ".mp4"):
+        raise UsageError(f"--out must end in .npy or .mp4, got {out.name}")
+    if not out.parent.exists():
+        raise UsageError(f"--out: folder {out.parent} does not exist")
+    if args.chunks < 1:
+        raise UsageError("--chunks must be at least 1")
+    actions = _read_actions(args.actions) if args.actions else None
+    image = _read_image(args.image) if args.image else None
+    model = _load_model(args)
+    request = GenerationRequest(
+        seed=args.seed, num_chunks=args.chunks, prompt=args.prompt, image=image, actions=actions,
+        kv_mode=args.kv_mode,
+    )
+    start = time.perf_counter()
+    try:
+        result = ReferenceGenerator(model).generate(request)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    elapsed = time.perf_counter() - start
+    if out.suffix == ".npy":
+        np.save(out, result.frames)
+    else:
+        write_mp4(result.frames, out, fps=model.config.fps)
+    t, h, w, _ = result.frames.shape
+    print(
+        f"wrote {out}: {t} frames {w}x{h} ({args.chunks} chunks, kv_mode "
+        f"{request.kv_mode or model.config.default_kv_mode}) in {elapsed:.2f} s "
+        f"({t / elapsed:.1f} frames/s)"
+    )
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .models import PRESETS
+
+    entries = [c.describe() for c in PRESETS.values()]
+    if args.json:
+        print(json.dumps({"models": entries}, indent=2))
+        return 0
+    for e in entries:
+        print(
+            f"{e['id']:18} {e['width']}x{e['height']} @ {e['fps']} fps, {e['frames_per_chunk']} frames/chunk, "
+            f"actions {e['action_dim']}, prompt {e['takes_prompt']}, image {e['needs_image']}: {e['description']}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"streamworld {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"streamworld {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

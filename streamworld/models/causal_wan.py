@@ -1,0 +1,318 @@
+"""Causal (block-causal, chunk-wise) Wan DiT on diffusers' `WanTransformer3DModel`.
+
+The weights and modules are diffusers' own (`self.transformer` is a `WanTransformer3DModel`),
+so every checkpoint in diffusers layout loads as is. What this file adds is the forward:
+
+- a chunk forward split into `embed` -> `run_blocks(start, stop)` -> `head`, so that any
+  contiguous range of blocks (a stage) runs on its own, on a batch of chunks ("units") that
+  may differ in timestep, context length and frame position;
+- self-attention over the unit's own tokens plus the K/V context read through a `KVView`
+  (see `streamworld.models.kv`), writing the unit's own K/V back through it;
+- per-frame timesteps (one adaptive layer-norm modulation per latent frame);
+- cross-attention K/V computed once per prompt (`prepare_text`) and reused;
+- optional action conditioning (`streamworld.models.actions`);
+- `forward_sequence`: a whole clip in one forward with a block-causal mask, the definition
+  the cached forward must equal (and the training forward).
+
+Shapes: B units, F latent frames per unit, P tokens per frame, N = F * P tokens, D model
+width, H heads of size d.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+from torch import nn
+
+from .actions import ActionAdapter
+from .kv import KVView
+
+SelfAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class CrossKV:
+    """Cross-attention keys and values of one prompt, per block: [L, H, d] each."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class ChunkInput:
+    """One unit of work as the model sees it."""
+
+    latents: torch.Tensor  # [C, F, h, w] noisy latents
+    timesteps: torch.Tensor  # [F] timestep per latent frame (0..1000 scale)
+    text: CrossKV
+    kv: KVView
+    latent_actions: torch.Tensor | None = None  # [F, r * action_dim]
+
+
+@dataclass
+class StageActivation:
+    """What flows between stages: the tokens and the per-frame conditioning."""
+
+    hidden: torch.Tensor  # [B, N, D]
+    modulation: torch.Tensor  # [B, F, 6, D] float32, block adaLN input
+    temb: torch.Tensor  # [B, F, D], head adaLN input
+    num_frames: int
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Wan's interleaved RoPE: channel pairs (2i, 2i+1) rotate by the angle in cos/sin[2i]."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    c, s = cos[..., 0::2], sin[..., 0::2]
+    out = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class CausalWanDiT(nn.Module):
+    def __init__(
+        self,
+        dit_config: dict,
+        *,
+        action_dim: int = 0,
+        temporal_ratio: int = 4,
+        latent_height: int,
+        latent_width: int,
+    ) -> None:
+        super().__init__()
+        if dit_config.get("image_dim") or dit_config.get("added_kv_proj_dim"):
+            raise NotImplementedError("Wan I2V image cross-attention (image_dim) is not supported")
+        self.transformer = WanTransformer3DModel(**dit_config)
+        cfg = self.transformer.config
+        self.heads = cfg.num_attention_heads
+        self.head_dim = cfg.attention_head_dim
+        self.dim = self.heads * self.head_dim
+        self.patch_size = tuple(cfg.patch_size)
+        self.num_layers = cfg.num_layers
+        self.latent_height = latent_height
+        self.latent_width = latent_width
+        _, ph, pw = self.patch_size
+        self.grid = (latent_height // ph, latent_width // pw)
+        self.tokens_per_frame = self.grid[0] * self.grid[1]
+        self.action_adapter = ActionAdapter(action_dim, temporal_ratio, self.dim) if action_dim else None
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # --- positions ----------------------------------------------------------------------
+    def rope(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_frames, P, d] for temporal positions 0..num_frames-1 (float32)."""
+        cache = self._rope_cache
+        device = self.transformer.proj_out.weight.device
+        if cache is None or cache[0].shape[0] < num_frames or cache[0].device != device:
+            cache = self._build_rope(max(num_frames, 64), device)
+            self._rope_cache = cache
+        return cache[0][:num_frames], cache[1][:num_frames]
+
+    def _build_rope(self, num_frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.transformer.rope
+        t_dim, h_dim, w_dim = rope.t_dim, rope.h_dim, rope.w_dim
+        gh, gw = self.grid
+        # Spatial angles come from diffusers' table; temporal ones are computed for any length.
+        cos_t, cos_h, cos_w = rope.freqs_cos.split([t_dim, h_dim, w_dim], dim=1)
+        sin_t, sin_h, sin_w = rope.freqs_sin.split([t_dim, h_dim, w_dim], dim=1)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, t_dim, 2, dtype=torch.float64) / t_dim))
+        angles = torch.outer(torch.arange(num_frames, dtype=torch.float64), inv_freq)
+        cos_t = angles.cos().repeat_interleave(2, dim=1).float()
+        sin_t = angles.sin().repeat_interleave(2, dim=1).float()
+
+        def grid(t: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            parts = (
+                t.view(num_frames, 1, 1, -1).expand(num_frames, gh, gw, -1),
+                h[:gh].view(1, gh, 1, -1).expand(num_frames, gh, gw, -1),
+                w[:gw].view(1, 1, gw, -1).expand(num_frames, gh, gw, -1),
+            )
+            return torch.cat(parts, dim=-1).reshape(num_frames, gh * gw, -1).float().to(device)
+
+        return grid(cos_t, cos_h, cos_w), grid(sin_t, sin_h, sin_w)
+
+    # --- conditioning -------------------------------------------------------------------
+    def prepare_text(self, text_embeds: torch.Tensor) -> CrossKV:
+        """Cross-attention K/V of every block for one prompt; text_embeds [L, text_dim]."""
+        ctx = self.transformer.condition_embedder.text_embedder(text_embeds.unsqueeze(0))  # [1, L, D]
+        keys, values = [], []
+        for blk in self.transformer.blocks:
+            attn = blk.attn2
+            keys.append(attn.norm_k(attn.to_k(ctx))[0].unflatten(-1, (self.heads, self.head_dim)))
+            values.append(attn.to_v(ctx)[0].unflatten(-1, (self.heads, self.head_dim)))
+        return CrossKV(keys, values)
+
+    def _conditioning(
+        self, timesteps: torch.Tensor, latent_actions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """timesteps [B, F] -> (modulation [B, F, 6, D] float32, temb [B, F, D])."""
+        cond = self.transformer.condition_embedder
+        b, f = timesteps.shape
+        freq = cond.timesteps_proj(timesteps.reshape(-1))
+        emb_dtype = cond.time_embedder.linear_1.weight.dtype
+        temb = cond.time_embedder(freq.to(emb_dtype))
+        if self.action_adapter is not None:
+            if latent_actions is None:
+                raise ValueError("this model takes actions; latent_actions is missing")
+            temb = temb + self.action_adapter(latent_actions.reshape(b * f, -1).to(temb.dtype))
+        dtype = self.transformer.proj_out.weight.dtype
+        temb = temb.to(dtype)
+        modulation = cond.time_proj(cond.act_fn(temb)).float().view(b, f, 6, self.dim)
+        return modulation, temb.view(b, f, self.dim)
+
+    # --- the stage forward --------------------------------------------------------------
+    def embed(self, units: Sequence[ChunkInput]) -> StageActivation:
+        """Stage prologue: patchify the units' latents and build their conditioning."""
+        dtype = self.transformer.proj_out.weight.dtype
+        latents = torch.stack([u.latents for u in units]).to(dtype)  # [B, C, F, h, w]
+        hidden = self.transformer.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
+        timesteps = torch.stack([u.timesteps for u in units]).to(hidden.device, torch.float32)
+        actions = None
+        if self.action_adapter is not None:
+            if any(u.latent_actions is None for u in units):
+                raise ValueError("this model takes actions; a unit has none")
+            actions = torch.stack([u.latent_actions for u in units]).to(hidden.device)  # type: ignore[misc]
+        modulation, temb = self._conditioning(timesteps, actions)
+        return StageActivation(hidden, modulation, temb, num_frames=latents.shape[2])
+
+    def run_blocks(
+        self, act: StageActivation, units: Sequence[ChunkInput], start: int, stop: int
+    ) -> StageActivation:
+        """Blocks [start, stop) on a batch of units, reading and writing K/V through their views."""
+        b = len(units)
+        ctx_frames = [u.kv.context_frames for u in units]
+        cos, sin = self.rope(max(ctx_frames) + act.num_frames)
+        p = self.tokens_per_frame
+        # Query positions follow each unit's own context: [B, N, 1, d].
+        q_cos = torch.stack([cos[c : c + act.num_frames].flatten(0, 1) for c in ctx_frames]).unsqueeze(2)
+        q_sin = torch.stack([sin[c : c + act.num_frames].flatten(0, 1) for c in ctx_frames]).unsqueeze(2)
+        max_ctx = max(ctx_frames) * p
+        mask = None
+        if any(c != ctx_frames[0] for c in ctx_frames):
+            n = act.hidden.shape[1]
+            valid = torch.zeros(b, 1, 1, max_ctx + n, dtype=torch.bool, device=act.hidden.device)
+            for i, c in enumerate(ctx_frames):
+                valid[i, ..., : c * p] = True
+                valid[i, ..., max_ctx:] = True
+            mask = valid
+
+        for index in range(start, stop):
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index) -> torch.Tensor:
+                keys, values = [], []
+                for i, unit in enumerate(units):
+                    ctx = unit.kv.context(index)
+                    unit.kv.store(index, k[i], v[i])
+                    c = ctx_frames[i] * p
+                    ck = k.new_zeros(max_ctx, self.heads, self.head_dim)
+                    cv = v.new_zeros(max_ctx, self.heads, self.head_dim)
+                    if ctx is not None and c:
+                        ck[:c] = _rotate(ctx[0].to(k.dtype), cos[: ctx_frames[i]].flatten(0, 1)[:, None],
+                                         sin[: ctx_frames[i]].flatten(0, 1)[:, None])
+                        cv[:c] = ctx[1].to(v.dtype)
+                    keys.append(ck)
+                    values.append(cv)
+                q = _rotate(q, q_cos, q_sin)
+                k = torch.cat([torch.stack(keys), _rotate(k, q_cos, q_sin)], dim=1)
+                v = torch.cat([torch.stack(values), v], dim=1)
+                return _sdpa(q, k, v, mask)
+
+            text_k = torch.stack([u.text.keys[index] for u in units])
+            text_v = torch.stack([u.text.values[index] for u in units])
+            act.hidden = self._block(index, act, attend, text_k, text_v)
+        return act
+
+    def head(self, act: StageActivation) -> torch.Tensor:
+        """Stage epilogue: the predicted flow [B, C, F, h, w] (float32)."""
+        tr = self.transformer
+        b, n, d = act.hidden.shape
+        f = act.num_frames
+        shift, scale = (tr.scale_shift_table.unsqueeze(0) + act.temb.unsqueeze(2)).unbind(2)  # [B, F, D]
+        x = act.hidden.view(b, f, n // f, d)
+        x = (tr.norm_out(x.float()) * (1 + scale.unsqueeze(2)) + shift.unsqueeze(2)).type_as(act.hidden)
+        x = tr.proj_out(x)  # [B, F, P, C * pt * ph * pw]
+        pt, ph, pw = self.patch_size
+        gh, gw = self.grid
+        x = x.view(b, f, gh, gw, pt, ph, pw, -1)
+        # (B, F, gh, gw, pt, ph, pw, C) -> (B, C, F*pt, gh*ph, gw*pw)
+        x = x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, -1, f * pt, gh * ph, gw * pw)
+        return x.float()
+
+    def forward_chunk(self, units: Sequence[ChunkInput]) -> torch.Tensor:
+        """All blocks on a batch of units: flow [B, C, F, h, w]."""
+        act = self.embed(units)
+        act = self.run_blocks(act, units, 0, self.num_layers)
+        return self.head(act)
+
+    # --- whole-sequence forward (definition and training) ---------------------------------
+    def forward_sequence(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: CrossKV,
+        chunk_ids: torch.Tensor,
+        latent_actions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flow for a whole clip [B, C, T, h, w] with block-causal attention.
+
+        timesteps [B, T]; chunk_ids [T] non-decreasing: a frame attends to every frame whose
+        chunk id is not larger than its own. Positions are absolute frame indices.
+        """
+        dtype = self.transformer.proj_out.weight.dtype
+        b, _, t = latents.shape[:3]
+        hidden = self.transformer.patch_embedding(latents.to(dtype)).flatten(2).transpose(1, 2).contiguous()
+        modulation, temb = self._conditioning(timesteps.float(), latent_actions)
+        act = StageActivation(hidden, modulation, temb, num_frames=t)
+        cos, sin = self.rope(t)
+        cos, sin = cos.flatten(0, 1)[:, None], sin.flatten(0, 1)[:, None]  # [T*P, 1, d]
+        token_chunk = chunk_ids.to(hidden.device).repeat_interleave(self.tokens_per_frame)
+        mask = token_chunk[:, None] >= token_chunk[None, :]  # [T*P (query), T*P (key)]
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
+            return _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)
+
+        for index in range(self.num_layers):
+            text_k = text.keys[index].unsqueeze(0).expand(b, -1, -1, -1)
+            text_v = text.values[index].unsqueeze(0).expand(b, -1, -1, -1)
+            act.hidden = self._block(index, act, attend, text_k, text_v)
+        return self.head(act)
+
+    # --- one transformer block ------------------------------------------------------------
+    def _block(
+        self,
+        index: int,
+        act: StageActivation,
+        self_attention: SelfAttention,
+        text_k: torch.Tensor,
+        text_v: torch.Tensor,
+    ) -> torch.Tensor:
+        blk = self.transformer.blocks[index]
+        x = act.hidden
+        b, n, d = x.shape
+        f = act.num_frames
+        grid = (b, f, n // f, d)
+        mods = (blk.scale_shift_table.unsqueeze(0) + act.modulation).unsqueeze(3)  # [B, F, 6, 1, D]
+        shift, scale, gate, c_shift, c_scale, c_gate = mods.unbind(2)  # each [B, F, 1, D]
+
+        h = (blk.norm1(x.float()).view(grid) * (1 + scale) + shift).view(b, n, d).type_as(x)
+        a = blk.attn1
+        q = a.norm_q(a.to_q(h)).unflatten(-1, (self.heads, self.head_dim))
+        k = a.norm_k(a.to_k(h)).unflatten(-1, (self.heads, self.head_dim))
+        v = a.to_v(h).unflatten(-1, (self.heads, self.head_dim))
+        out = a.to_out[0](self_attention(q, k, v, index).flatten(2))
+        x = (x.float().view(grid) + out.view(grid) * gate).view(b, n, d).type_as(x)
+
+        h = blk.norm2(x.float()).type_as(x)
+        c = blk.attn2
+        q = c.norm_q(c.to_q(h)).unflatten(-1, (self.heads, self.head_dim))
+        x = x + c.to_out[0](_sdpa(q, text_k.to(q.dtype), text_v.to(q.dtype), None).flatten(2))
+
+        h = (blk.norm3(x.float()).view(grid) * (1 + c_scale) + c_shift).view(b, n, d).type_as(x)
+        ff = blk.ffn(h)
+        return (x.float().view(grid) + ff.float().view(grid) * c_gate).view(b, n, d).type_as(x)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention on [B, S, H, d] tensors; mask broadcastable to [B, H, Sq, Sk] (True = attend)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)

@@ -1,0 +1,140 @@
+"""One typed description of a servable world model.
+
+A `ModelConfig` says everything the rest of StreamWorld needs to know about a model: the
+Wan DiT, VAE and text encoder configurations (diffusers constructor arguments), the video
+geometry, the chunking, the denoising schedule, the attention window and the conditioning
+inputs. Presets (`streamworld.models.presets`) are instances of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+KV_MODES = ("clean", "final", "noisy")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    id: str
+    # Constructor arguments of diffusers' WanTransformer3DModel.
+    dit: dict[str, Any]
+    # Constructor arguments of diffusers' AutoencoderKLWan.
+    vae: dict[str, Any]
+    # Constructor arguments of transformers' UMT5Config; None for models without text.
+    text_encoder: dict[str, Any] | None
+    height: int
+    width: int
+    fps: int = 16
+    # Text context length; prompts are padded with zeros to it, as Wan does.
+    text_len: int = 512
+    latent_frames_per_chunk: int = 3
+    # Denoising steps in the 0..1000 timestep scale, first (noisiest) first.
+    denoising_steps: tuple[float, ...] = (1000.0, 750.0, 500.0, 250.0)
+    timestep_shift: float = 5.0
+    # Map the step list through the shifted flow-matching grid (Self-Forcing's warp).
+    warp_denoising_steps: bool = True
+    # Timestep of the commit pass that writes clean K/V (CausVid's `context_noise`).
+    context_timestep: float = 0.0
+    # Attention context: the first `sink_frames` latent frames of the stream plus the
+    # `window_frames` most recent ones.
+    sink_frames: int = 1
+    window_frames: int = 18
+    action_dim: int = 0
+    needs_image: bool = False
+    kv_modes: tuple[str, ...] = KV_MODES
+    default_kv_mode: str = "clean"
+    # Seed of the random initialisation used when no weights are given.
+    init_seed: int = 0
+    # True for real models: serving them without weights needs an explicit --random-weights.
+    requires_weights: bool = False
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.default_kv_mode not in self.kv_modes:
+            raise ValueError(f"{self.id}: default_kv_mode {self.default_kv_mode!r} not in {self.kv_modes}")
+        if self.height % self.spatial_ratio or self.width % self.spatial_ratio:
+            raise ValueError(f"{self.id}: frame size must be a multiple of {self.spatial_ratio}")
+        if self.window_frames < self.latent_frames_per_chunk:
+            raise ValueError(f"{self.id}: window_frames must hold at least one chunk")
+        _, ph, pw = self.patch_size
+        if self.latent_height % ph or self.latent_width % pw:
+            raise ValueError(f"{self.id}: latent size must be a multiple of the patch size {self.patch_size}")
+
+    # --- geometry -------------------------------------------------------------------
+    @property
+    def spatial_ratio(self) -> int:
+        return 2 ** (len(self.vae.get("dim_mult", (1, 2, 4, 4))) - 1)
+
+    @property
+    def temporal_ratio(self) -> int:
+        return 2 ** sum(bool(x) for x in self.vae.get("temperal_downsample", (False, True, True)))
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae.get("z_dim", 16))
+
+    @property
+    def latent_height(self) -> int:
+        return self.height // self.spatial_ratio
+
+    @property
+    def latent_width(self) -> int:
+        return self.width // self.spatial_ratio
+
+    @property
+    def patch_size(self) -> tuple[int, int, int]:
+        return tuple(self.dit.get("patch_size", (1, 2, 2)))  # type: ignore[return-value]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        _, ph, pw = self.patch_size
+        return (self.latent_height // ph) * (self.latent_width // pw)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.dit["num_layers"])
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.denoising_steps)
+
+    @property
+    def takes_prompt(self) -> bool:
+        return self.text_encoder is not None
+
+    @property
+    def frames_per_chunk(self) -> int:
+        """Video frames decoded from a steady-state chunk."""
+        return self.latent_frames_per_chunk * self.temporal_ratio
+
+    @property
+    def first_chunk_frames(self) -> int:
+        """Video frames in chunk 0 (the image, when given, is frame 0 and is not sent)."""
+        if self.needs_image:
+            return self.frames_per_chunk
+        return 1 + self.temporal_ratio * (self.latent_frames_per_chunk - 1)
+
+    @property
+    def max_context_frames(self) -> int:
+        return self.sink_frames + self.window_frames
+
+    def describe(self) -> dict[str, Any]:
+        """The `/v1/models` entry of PROTOCOL.md."""
+        return {
+            "id": self.id,
+            "width": self.width,
+            "height": self.height,
+            "fps": self.fps,
+            "latent_frames_per_chunk": self.latent_frames_per_chunk,
+            "frames_per_chunk": self.frames_per_chunk,
+            "first_chunk_frames": self.first_chunk_frames,
+            "action_dim": self.action_dim,
+            "needs_image": self.needs_image,
+            "takes_prompt": self.takes_prompt,
+            "kv_modes": list(self.kv_modes),
+            "default_kv_mode": self.default_kv_mode,
+            "denoising_steps": self.num_steps,
+            "description": self.description,
+        }

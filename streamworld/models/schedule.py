@@ -1,0 +1,70 @@
+"""Few-step flow-matching schedule of CausVid / Self-Forcing.
+
+Timesteps live on the 0..1000 scale the DiT was trained with; sigma = t / 1000. The model
+predicts the flow v, so the clean estimate is x0 = x_t - sigma * v, and the next step
+re-noises it: x_t' = (1 - sigma') * x0 + sigma' * noise.
+
+Noise is a pure function of (seed, chunk, step, shape), never of the order in which work
+runs, so that a pipelined or batched engine draws exactly the noise the sequential
+reference draws.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def shift_sigma(sigma: float, shift: float) -> float:
+    """The shifted flow-matching grid: sigma' = shift * s / (1 + (shift - 1) * s)."""
+    return shift * sigma / (1.0 + (shift - 1.0) * sigma)
+
+
+@dataclass(frozen=True)
+class FlowSchedule:
+    timesteps: tuple[float, ...]
+
+    @classmethod
+    def build(cls, steps: tuple[float, ...] | list[float], shift: float = 5.0, warp: bool = True) -> FlowSchedule:
+        if not steps:
+            raise ValueError("the denoising step list is empty")
+        if any(not 0 < s <= NUM_TRAIN_TIMESTEPS for s in steps):
+            raise ValueError(f"denoising steps must lie in (0, {NUM_TRAIN_TIMESTEPS}]: {list(steps)}")
+        if list(steps) != sorted(steps, reverse=True):
+            raise ValueError(f"denoising steps must decrease: {list(steps)}")
+        if warp:
+            steps = [
+                NUM_TRAIN_TIMESTEPS * shift_sigma(s / NUM_TRAIN_TIMESTEPS, shift) for s in steps
+            ]
+        return cls(tuple(float(s) for s in steps))
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    @staticmethod
+    def sigma(t: float) -> float:
+        return t / NUM_TRAIN_TIMESTEPS
+
+    def x0_from_flow(self, x_t: torch.Tensor, flow: torch.Tensor, step: int) -> torch.Tensor:
+        return x_t - self.sigma(self.timesteps[step]) * flow
+
+    def renoise(self, x0: torch.Tensor, noise: torch.Tensor, step: int) -> torch.Tensor:
+        """x at `step` (> 0) from the clean estimate of the previous step."""
+        s = self.sigma(self.timesteps[step])
+        return (1.0 - s) * x0 + s * noise
+
+
+def noise_seed(seed: int, chunk: int, step: int) -> int:
+    digest = hashlib.blake2b(f"{seed}:{chunk}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def chunk_noise(seed: int, chunk: int, step: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Gaussian noise for one chunk and step, float32 on the CPU (move it where needed)."""
+    gen = torch.Generator(device="cpu").manual_seed(noise_seed(seed, chunk, step))
+    return torch.randn(shape, generator=gen, dtype=torch.float32)

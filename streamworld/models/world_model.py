@@ -1,0 +1,188 @@
+"""A servable world model: causal DiT, VAE, text encoder and schedule, on one device.
+
+`WorldModel.load` builds it from a `ModelConfig` and optional local weight paths. Nothing
+is ever downloaded: models whose config says `requires_weights` refuse to start without
+weight paths unless random weights are asked for explicitly (benchmarks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .causal_wan import CausalWanDiT, CrossKV
+from .checkpoint import load_dit_state_dict, load_into
+from .config import ModelConfig
+from .schedule import FlowSchedule
+from .text_encoder import TextEncoder
+from .vae import StreamingVAE
+
+# Modules that stay float32 when the model runs in bf16/fp16 (small, precision-sensitive).
+_FP32_MODULES = ("condition_embedder.time_embedder", "scale_shift_table", "action_adapter")
+
+
+@dataclass(frozen=True)
+class WeightPaths:
+    """Local weight locations; `root` is a diffusers-style folder holding all three."""
+
+    root: str | None = None
+    dit: str | None = None
+    vae: str | None = None
+    text_encoder: str | None = None
+
+    def resolve(self) -> WeightPaths:
+        if self.root is None:
+            return self
+        root = Path(self.root)
+        if not root.exists():
+            raise FileNotFoundError(f"weights folder {root} does not exist")
+
+        def pick(explicit: str | None, sub: str) -> str | None:
+            if explicit is not None:
+                return explicit
+            return str(root / sub) if (root / sub).exists() else None
+
+        return WeightPaths(
+            None, pick(self.dit, "transformer") or str(root), pick(self.vae, "vae"), pick(self.text_encoder, "")
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not (self.root or self.dit or self.vae or self.text_encoder)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but PyTorch sees no CUDA GPU")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+
+
+class WorldModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dit: CausalWanDiT,
+        vae: StreamingVAE,
+        text_encoder: TextEncoder | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        text_cache_size: int = 64,
+    ) -> None:
+        self.config = config
+        self.dit = dit
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.device = device
+        self.dtype = dtype
+        self.schedule = FlowSchedule.build(
+            config.denoising_steps, config.timestep_shift, config.warp_denoising_steps
+        )
+        self._text_cache: OrderedDict[str, CrossKV] = OrderedDict()
+        self._text_cache_size = text_cache_size
+        self._text_lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        config: ModelConfig,
+        weights: WeightPaths | None = None,
+        *,
+        random_weights: bool = False,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+    ) -> WorldModel:
+        weights = (weights or WeightPaths()).resolve()
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
+        if config.requires_weights and weights.empty and not random_weights:
+            raise ValueError(
+                f"model {config.id} needs weights: give a local diffusers folder or checkpoint paths "
+                "(nothing is downloaded), or --random-weights for benchmarking"
+            )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.init_seed)
+            with torch.device(dev):
+                dit = CausalWanDiT(
+                    config.dit,
+                    action_dim=config.action_dim,
+                    temporal_ratio=config.temporal_ratio,
+                    latent_height=config.latent_height,
+                    latent_width=config.latent_width,
+                )
+        if weights.dit is not None:
+            state = load_dit_state_dict(weights.dit)
+            load_into(dit, _prefix_transformer(state), what=f"DiT checkpoint {weights.dit}")
+        _cast(dit, dt)
+        dit.eval().requires_grad_(False)
+
+        if weights.vae is not None:
+            vae = StreamingVAE.from_pretrained(weights.vae)
+        else:
+            vae = StreamingVAE.from_config(config, seed=config.init_seed + 1)
+        vae = vae.to(dev, dt).eval().requires_grad_(False)
+
+        text_encoder = None
+        if config.takes_prompt:
+            if weights.text_encoder is not None:
+                text_encoder = TextEncoder.from_pretrained(
+                    weights.text_encoder, text_len=config.text_len, device=dev, dtype=dt
+                )
+            else:
+                text_encoder = TextEncoder.from_config(config, seed=config.init_seed + 2, device=dev, dtype=dt)
+        return cls(config, dit, vae, text_encoder, dev, dt)
+
+    # --- prompts ----------------------------------------------------------------------------
+    def text_context(self, prompt: str) -> CrossKV:
+        """Cross-attention K/V for a prompt, computed once and cached (LRU)."""
+        with self._text_lock:
+            hit = self._text_cache.get(prompt)
+            if hit is not None:
+                self._text_cache.move_to_end(prompt)
+                return hit
+        with torch.inference_mode():
+            if self.text_encoder is None:
+                embeds = torch.zeros(self.config.text_len, self.dit.transformer.config.text_dim)
+            else:
+                embeds = self.text_encoder.encode(prompt)
+            ctx = self.dit.prepare_text(embeds.to(self.device, self.dtype))
+        with self._text_lock:
+            self._text_cache[prompt] = ctx
+            while len(self._text_cache) > self._text_cache_size:
+                self._text_cache.popitem(last=False)
+        return ctx
+
+    def latent_shape(self, num_frames: int) -> tuple[int, int, int, int]:
+        c = self.config
+        return (c.latent_channels, num_frames, c.latent_height, c.latent_width)
+
+
+def _prefix_transformer(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint keys (diffusers transformer layout) -> CausalWanDiT keys."""
+    return {k if k.startswith("action_adapter.") else f"transformer.{k}": v for k, v in state.items()}
+
+
+def _cast(dit: CausalWanDiT, dtype: torch.dtype) -> None:
+    dit.to(dtype)
+    if dtype == torch.float32:
+        return
+    for name, module in dit.named_modules():
+        if any(m in name for m in _FP32_MODULES):
+            module.float()
+    for name, param in dit.named_parameters():
+        if name.endswith("scale_shift_table"):
+            param.data = param.data.float()

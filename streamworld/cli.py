@@ -22,7 +22,9 @@ class UsageError(Exception):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-wan", help="model preset (see `streamworld models`; default: tiny-wan)")
+    p.add_argument(
+        "--model", default="tiny-wan", help="model preset (see `streamworld models`; default: tiny-wan)"
+    )
     p.add_argument(
         "--weights",
         metavar="DIR",
@@ -41,7 +43,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="run a real-size model with seeded random weights (timing benchmarks only)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16")
+    p.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,7 +151,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     image = _read_image(args.image) if args.image else None
     model = _load_model(args)
     request = GenerationRequest(
-        seed=args.seed, num_chunks=args.chunks, prompt=args.prompt, image=image, actions=actions,
+        seed=args.seed,
+        num_chunks=args.chunks,
+        prompt=args.prompt,
+        image=image,
+        actions=actions,
         kv_mode=args.kv_mode,
     )
     start = time.perf_counter()
@@ -177,10 +185,9 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(json.dumps({"models": entries}, indent=2))
         return 0
     for e in entries:
-        print(
-            f"{e['id']:18} {e['width']}x{e['height']} @ {e['fps']} fps, {e['frames_per_chunk']} frames/chunk, "
-            f"actions {e['action_dim']}, prompt {e['takes_prompt']}, image {e['needs_image']}: {e['description']}"
-        )
+        size = f"{e['width']}x{e['height']} @ {e['fps']} fps, {e['frames_per_chunk']} frames/chunk"
+        inputs = f"actions {e['action_dim']}, prompt {e['takes_prompt']}, image {e['needs_image']}"
+        print(f"{e['id']:18} {size}, {inputs}: {e['description']}")
     return 0
 
 

@@ -56,8 +56,13 @@ def test_clean_cached_chunk_forward_equals_block_causal_full_sequence(action_dim
     torch.testing.assert_close(torch.cat(committed, dim=1), full[:, : 3 * f], **TOL)
     torch.testing.assert_close(last, full[:, 3 * f :], **TOL)
     # The mask matters: without it the first chunk would see the future and differ.
-    unmasked = model.dit.forward_sequence(seq, t, text, torch.zeros(4 * f, dtype=torch.long),
-                                          None if seq_actions is None else seq_actions.unsqueeze(0))[0]
+    unmasked = model.dit.forward_sequence(
+        seq,
+        t,
+        text,
+        torch.zeros(4 * f, dtype=torch.long),
+        None if seq_actions is None else seq_actions.unsqueeze(0),
+    )[0]
     assert (unmasked[:, :f] - full[:, :f]).abs().max() > 1e-3
 
 
@@ -75,8 +80,12 @@ def test_batched_units_with_different_context_and_timesteps_equal_single_runs():
             x = torch.randn(model.latent_shape(f), generator=gen)
             model.dit.forward_chunk([ChunkInput(x, torch.zeros(f), texts[s], view)])
     units = [
-        ChunkInput(torch.randn(model.latent_shape(f), generator=gen), torch.full((f,), t), texts[s],
-                   caches[s].view(first, 0, ()))
+        ChunkInput(
+            torch.randn(model.latent_shape(f), generator=gen),
+            torch.full((f,), t),
+            texts[s],
+            caches[s].view(first, 0, ()),
+        )
         for s, (first, t) in enumerate(((2 * f, 937.5), (f, 400.0)))
     ]
     assert [u.kv.context_frames for u in units] == [2 * f, f]
@@ -113,3 +122,14 @@ def test_rope_table_extends_for_any_number_of_frames():
     assert cos.shape == (5000, model.config.tokens_per_frame, model.dit.head_dim)
     assert torch.isfinite(cos).all() and torch.isfinite(sin).all()
     torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos))
+
+
+def test_rope_table_matches_diffusers_wan_rope():
+    model = load_tiny()
+    f = 5
+    cos, sin = model.dit.rope(f)
+    c = model.config
+    x = torch.zeros(1, c.latent_channels, f, c.latent_height, c.latent_width)
+    ref_cos, ref_sin = model.dit.transformer.rope(x)  # [1, F*P, 1, d]
+    torch.testing.assert_close(cos.flatten(0, 1), ref_cos[0, :, 0])
+    torch.testing.assert_close(sin.flatten(0, 1), ref_sin[0, :, 0])

@@ -52,7 +52,9 @@ class ContiguousKVCache:
         frames = context_frame_indices(first_frame, self.sink, self.window)
         present = [f for f in frames if f in self.versions[read]]
         if present != frames:
-            raise RuntimeError(f"K/V of frames {sorted(set(frames) - set(present))} missing in version {read}")
+            raise RuntimeError(
+                f"K/V of frames {sorted(set(frames) - set(present))} missing in version {read}"
+            )
         return _ReferenceView(self, first_frame, frames, read, write)
 
     def evict(self, next_first_frame: int) -> None:
@@ -172,7 +174,11 @@ class ReferenceGenerator:
             actions = torch.from_numpy(hold_actions(req.actions, num_video, cfg.action_dim))
 
         cache = ContiguousKVCache(
-            num_kv_versions(kv_mode, steps), cfg.num_layers, cfg.tokens_per_frame, cfg.sink_frames, cfg.window_frames
+            num_kv_versions(kv_mode, steps),
+            cfg.num_layers,
+            cfg.tokens_per_frame,
+            cfg.sink_frames,
+            cfg.window_frames,
         )
         decoder = model.vae.new_decoder_state()
         text = model.text_context(req.prompt)
@@ -214,7 +220,9 @@ class ReferenceGenerator:
         shape = model.latent_shape(fpc)
         latent_actions = None
         if actions is not None:
-            latent_actions = gather_latent_actions(actions, first_frame, fpc, cfg.temporal_ratio).to(model.device)
+            latent_actions = gather_latent_actions(actions, first_frame, fpc, cfg.temporal_ratio).to(
+                model.device
+            )
 
         def forward(x: torch.Tensor, t: float, access: tuple[int, tuple[int, ...]]) -> torch.Tensor:
             view = cache.view(first_frame, *access)

@@ -110,26 +110,27 @@ class CausalWanDiT(nn.Module):
         return cache[0][:num_frames], cache[1][:num_frames]
 
     def _build_rope(self, num_frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Wan splits each head into temporal, height and width parts, each rotated by its own
+        # axis position (theta 10000). Angles in float64 on the CPU, as diffusers' table does.
         rope = self.transformer.rope
-        t_dim, h_dim, w_dim = rope.t_dim, rope.h_dim, rope.w_dim
         gh, gw = self.grid
-        # Spatial angles come from diffusers' table; temporal ones are computed for any length.
-        cos_t, cos_h, cos_w = rope.freqs_cos.split([t_dim, h_dim, w_dim], dim=1)
-        sin_t, sin_h, sin_w = rope.freqs_sin.split([t_dim, h_dim, w_dim], dim=1)
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, t_dim, 2, dtype=torch.float64) / t_dim))
-        angles = torch.outer(torch.arange(num_frames, dtype=torch.float64), inv_freq)
-        cos_t = angles.cos().repeat_interleave(2, dim=1).float()
-        sin_t = angles.sin().repeat_interleave(2, dim=1).float()
+
+        def axis(dim: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
+            angles = torch.outer(torch.arange(n, dtype=torch.float64, device="cpu"), inv_freq)
+            return angles.cos().repeat_interleave(2, dim=1), angles.sin().repeat_interleave(2, dim=1)
+
+        axes = [axis(rope.t_dim, num_frames), axis(rope.h_dim, gh), axis(rope.w_dim, gw)]
 
         def grid(t: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             parts = (
                 t.view(num_frames, 1, 1, -1).expand(num_frames, gh, gw, -1),
-                h[:gh].view(1, gh, 1, -1).expand(num_frames, gh, gw, -1),
-                w[:gw].view(1, 1, gw, -1).expand(num_frames, gh, gw, -1),
+                h.view(1, gh, 1, -1).expand(num_frames, gh, gw, -1),
+                w.view(1, 1, gw, -1).expand(num_frames, gh, gw, -1),
             )
             return torch.cat(parts, dim=-1).reshape(num_frames, gh * gw, -1).float().to(device)
 
-        return grid(cos_t, cos_h, cos_w), grid(sin_t, sin_h, sin_w)
+        return grid(*(a[0] for a in axes)), grid(*(a[1] for a in axes))
 
     # --- conditioning -------------------------------------------------------------------
     def prepare_text(self, text_embeds: torch.Tensor) -> CrossKV:
@@ -207,8 +208,11 @@ class CausalWanDiT(nn.Module):
                     ck = k.new_zeros(max_ctx, self.heads, self.head_dim)
                     cv = v.new_zeros(max_ctx, self.heads, self.head_dim)
                     if ctx is not None and c:
-                        ck[:c] = _rotate(ctx[0].to(k.dtype), cos[: ctx_frames[i]].flatten(0, 1)[:, None],
-                                         sin[: ctx_frames[i]].flatten(0, 1)[:, None])
+                        ck[:c] = _rotate(
+                            ctx[0].to(k.dtype),
+                            cos[: ctx_frames[i]].flatten(0, 1)[:, None],
+                            sin[: ctx_frames[i]].flatten(0, 1)[:, None],
+                        )
                         cv[:c] = ctx[1].to(v.dtype)
                     keys.append(ck)
                     values.append(cv)
@@ -314,5 +318,7 @@ class CausalWanDiT(nn.Module):
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention on [B, S, H, d] tensors; mask broadcastable to [B, H, Sq, Sk] (True = attend)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    )
     return out.transpose(1, 2)

@@ -11,7 +11,7 @@ from .config import ModelConfig
 
 TINY_WAN = ModelConfig(
     id="tiny-wan",
-    description="Seeded random tiny Wan-architecture text-to-video model (tests and demos; output is noise-like)",
+    description="Seeded random tiny Wan-architecture text-to-video model (tests; output is noise-like)",
     dit=dict(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
@@ -80,7 +80,13 @@ WAN21_T2V_13B = ModelConfig(
         rope_max_seq_len=1024,
     ),
     # diffusers' AutoencoderKLWan defaults are the Wan 2.1 VAE (incl. latents mean/std).
-    vae=dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]),
+    vae=dict(
+        base_dim=96,
+        z_dim=16,
+        dim_mult=[1, 2, 4, 4],
+        num_res_blocks=2,
+        temperal_downsample=[False, True, True],
+    ),
     # umT5-XXL encoder.
     text_encoder=dict(
         vocab_size=256384,

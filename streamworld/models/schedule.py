@@ -29,7 +29,9 @@ class FlowSchedule:
     timesteps: tuple[float, ...]
 
     @classmethod
-    def build(cls, steps: tuple[float, ...] | list[float], shift: float = 5.0, warp: bool = True) -> FlowSchedule:
+    def build(
+        cls, steps: tuple[float, ...] | list[float], shift: float = 5.0, warp: bool = True
+    ) -> FlowSchedule:
         if not steps:
             raise ValueError("the denoising step list is empty")
         if any(not 0 < s <= NUM_TRAIN_TIMESTEPS for s in steps):
@@ -37,9 +39,7 @@ class FlowSchedule:
         if list(steps) != sorted(steps, reverse=True):
             raise ValueError(f"denoising steps must decrease: {list(steps)}")
         if warp:
-            steps = [
-                NUM_TRAIN_TIMESTEPS * shift_sigma(s / NUM_TRAIN_TIMESTEPS, shift) for s in steps
-            ]
+            steps = [NUM_TRAIN_TIMESTEPS * shift_sigma(s / NUM_TRAIN_TIMESTEPS, shift) for s in steps]
         return cls(tuple(float(s) for s in steps))
 
     @property

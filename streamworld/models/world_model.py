@@ -46,13 +46,12 @@ class WeightPaths:
                 return explicit
             return str(root / sub) if (root / sub).exists() else None
 
+        text_encoder = self.text_encoder
+        if text_encoder is None and (root / "text_encoder").exists():
+            text_encoder = str(root)  # the text encoder wrapper finds text_encoder/ and tokenizer/
         return WeightPaths(
-            None, pick(self.dit, "transformer") or str(root), pick(self.vae, "vae"), pick(self.text_encoder, "")
+            None, pick(self.dit, "transformer") or str(root), pick(self.vae, "vae"), text_encoder
         )
-
-    @property
-    def empty(self) -> bool:
-        return not (self.root or self.dit or self.vae or self.text_encoder)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,14 +108,28 @@ class WorldModel:
         weights = (weights or WeightPaths()).resolve()
         dev = device if isinstance(device, torch.device) else resolve_device(device)
         dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
-        if config.requires_weights and weights.empty and not random_weights:
-            raise ValueError(
-                f"model {config.id} needs weights: give a local diffusers folder or checkpoint paths "
-                "(nothing is downloaded), or --random-weights for benchmarking"
-            )
+        if config.requires_weights and not random_weights:
+            missing = [
+                name
+                for name, path in (
+                    ("DiT", weights.dit),
+                    ("VAE", weights.vae),
+                    ("text encoder", weights.text_encoder),
+                )
+                if path is None and (name != "text encoder" or config.takes_prompt)
+            ]
+            if missing:
+                raise ValueError(
+                    f"model {config.id} needs weights (missing: {', '.join(missing)}): give a local "
+                    "diffusers folder or checkpoint paths (nothing is downloaded), or --random-weights "
+                    "for benchmarking"
+                )
+        # Small models are initialised on the CPU, so their seeded weights (and frames) are the
+        # same on every device. Real-size random weights serve timing only: build them in place.
+        init_dev = dev if config.requires_weights else torch.device("cpu")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.init_seed)
-            with torch.device(dev):
+            with torch.device(init_dev):
                 dit = CausalWanDiT(
                     config.dit,
                     action_dim=config.action_dim,
@@ -127,6 +140,7 @@ class WorldModel:
         if weights.dit is not None:
             state = load_dit_state_dict(weights.dit)
             load_into(dit, _prefix_transformer(state), what=f"DiT checkpoint {weights.dit}")
+        dit.to(dev)
         _cast(dit, dt)
         dit.eval().requires_grad_(False)
 
@@ -143,7 +157,10 @@ class WorldModel:
                     weights.text_encoder, text_len=config.text_len, device=dev, dtype=dt
                 )
             else:
-                text_encoder = TextEncoder.from_config(config, seed=config.init_seed + 2, device=dev, dtype=dt)
+                text_encoder = TextEncoder.from_config(
+                    config, seed=config.init_seed + 2, device=init_dev, dtype=dt
+                )
+                text_encoder.model.to(dev)
         return cls(config, dit, vae, text_encoder, dev, dt)
 
     # --- prompts ----------------------------------------------------------------------------

@@ -1,0 +1,234 @@
+"""The Wan VAE with a per-stream causal decoder cache.
+
+`StreamingVAE` wraps diffusers' `AutoencoderKLWan`. Its causal decoder turns one latent frame
+at a time into video frames, carrying the last frames of every causal convolution's input in
+a feature cache. Diffusers keeps that cache on the model; here each stream owns it in a
+`DecoderState`, so many streams can decode chunk by chunk, interleaved, from one shared model,
+and chunk-by-chunk decoding gives the same frames as decoding the whole clip at once.
+
+Latents outside this module are normalised per channel as Wan does:
+`z = (mu - latents_mean) / latents_std`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+from torch import Tensor
+
+from streamworld.models.config import ModelConfig
+
+
+@dataclass
+class DecoderState:
+    """One stream's causal decoder cache.
+
+    `feat_cache` has one slot per causal convolution of the decoder; a slot holds the last
+    input frames of that convolution ([B, C, <=2, h, w]), diffusers' "Rep" marker, or None
+    before the first frame. The cached tensors are tied to the batch size, device and dtype of
+    the first chunk.
+    """
+
+    feat_cache: list[Tensor | str | None]
+    latent_frames: int = 0
+
+    @classmethod
+    def empty(cls, num_slots: int) -> DecoderState:
+        return cls(feat_cache=[None] * num_slots)
+
+    @property
+    def started(self) -> bool:
+        return self.latent_frames > 0
+
+    def nbytes(self) -> int:
+        """Bytes held by the cached feature tensors."""
+        return sum(t.numel() * t.element_size() for t in self.feat_cache if isinstance(t, Tensor))
+
+    def reset(self) -> None:
+        """Forget everything: the next latent frame decodes as the first of a new stream."""
+        self.feat_cache = [None] * len(self.feat_cache)
+        self.latent_frames = 0
+
+
+class StreamingVAE(torch.nn.Module):
+    """`AutoencoderKLWan` with normalised latents and per-stream decoder state."""
+
+    def __init__(self, vae: AutoencoderKLWan) -> None:
+        super().__init__()
+        self.vae = vae
+        self.vae.eval().requires_grad_(False)
+        cfg = vae.config
+        z_dim = int(cfg.z_dim)
+        if len(cfg.latents_mean) != z_dim or len(cfg.latents_std) != z_dim:
+            raise ValueError(
+                f"latents_mean and latents_std need z_dim={z_dim} entries, got "
+                f"{len(cfg.latents_mean)} and {len(cfg.latents_std)}"
+            )
+        # [1, C, 1, 1, 1] so they broadcast over [B, C, F, h, w].
+        self.register_buffer(
+            "latents_mean",
+            torch.tensor(cfg.latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1),
+            persistent=False,
+        )
+        self.register_buffer(
+            "latents_std",
+            torch.tensor(cfg.latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1),
+            persistent=False,
+        )
+        self._num_decoder_slots = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        # diffusers' encode keeps its causal cache on the model; one encode at a time.
+        self._encode_lock = threading.Lock()
+
+    # --- construction ---------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, vae_kwargs: Mapping[str, Any], *, seed: int) -> StreamingVAE:
+        """A randomly initialised VAE; the global RNG is left untouched."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            vae = AutoencoderKLWan(**vae_kwargs)
+        return cls(vae)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, seed: int) -> StreamingVAE:
+        return cls.from_kwargs(config.vae, seed=seed)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> StreamingVAE:
+        """Load a diffusers `AutoencoderKLWan` folder, or the `vae/` folder of a pipeline folder."""
+        folder = _find_vae_folder(Path(path))
+        vae = AutoencoderKLWan.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
+        return cls(vae).to(device)
+
+    # --- geometry -------------------------------------------------------------------
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae.config.z_dim)
+
+    @property
+    def temporal_ratio(self) -> int:
+        return 2 ** sum(bool(x) for x in self.vae.config.temperal_downsample)
+
+    @property
+    def spatial_ratio(self) -> int:
+        return 2 ** (len(self.vae.config.dim_mult) - 1) * (self.vae.config.patch_size or 1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    # --- latent normalisation -------------------------------------------------------
+    def normalise(self, mu: Tensor) -> Tensor:
+        return (mu - self.latents_mean.to(mu)) / self.latents_std.to(mu)
+
+    def unnormalise(self, z: Tensor) -> Tensor:
+        return z * self.latents_std.to(z) + self.latents_mean.to(z)
+
+    # --- decoding -------------------------------------------------------------------
+    def new_decoder_state(self) -> DecoderState:
+        return DecoderState.empty(self._num_decoder_slots)
+
+    @torch.inference_mode()
+    def decode_chunk(self, latents: Tensor, state: DecoderState) -> Tensor:
+        """Decode the next latent frames of a stream.
+
+        latents: [B, C, F, h, w] normalised. Returns [B, 3, T, H, W] in [-1, 1] in the VAE's
+        dtype, with T = 1 + r(F - 1) for the stream's first chunk and T = rF afterwards
+        (r = temporal_ratio). Only `state` is updated; the shared model is not.
+        """
+        if latents.ndim != 5 or latents.shape[1] != self.latent_channels:
+            raise ValueError(
+                f"expected latents [B, {self.latent_channels}, F, h, w], got {tuple(latents.shape)}"
+            )
+        if latents.shape[2] == 0:
+            raise ValueError("decode_chunk needs at least one latent frame")
+        z = self.unnormalise(latents.to(device=self.device, dtype=self.dtype))
+        # post_quant_conv has a 1x1x1 kernel, so it needs no temporal cache.
+        x = self.vae.post_quant_conv(z)
+        frames = []
+        for i in range(x.shape[2]):
+            frames.append(
+                self.vae.decoder(
+                    x[:, :, i : i + 1],
+                    feat_cache=state.feat_cache,
+                    feat_idx=[0],
+                    first_chunk=not state.started,
+                )
+            )
+            state.latent_frames += 1
+        out = torch.cat(frames, dim=2)
+        if self.vae.config.patch_size is not None:
+            out = unpatchify(out, patch_size=self.vae.config.patch_size)
+        return out.clamp(-1.0, 1.0)
+
+    def decode_full(self, latents: Tensor) -> Tensor:
+        """Decode a whole clip [B, C, F, h, w] from the start of a stream: [B, 3, 1 + r(F-1), H, W]."""
+        return self.decode_chunk(latents, self.new_decoder_state())
+
+    # --- encoding -------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_image(self, image: Tensor) -> Tensor:
+        """Encode images [B, 3, H, W] in [-1, 1] to normalised latents [B, C, 1, h, w] (posterior mean)."""
+        if image.ndim != 4 or image.shape[1] != 3:
+            raise ValueError(f"expected an image batch [B, 3, H, W], got {tuple(image.shape)}")
+        x = image.to(device=self.device, dtype=self.dtype).unsqueeze(2)
+        with self._encode_lock:
+            mu = self.vae.encode(x).latent_dist.mode()
+        return self.normalise(mu)
+
+
+def to_uint8(frames: Tensor) -> np.ndarray:
+    """[B, 3, T, H, W] in [-1, 1] -> uint8 array [B, T, H, W, 3]."""
+    x = ((frames.detach().float() + 1.0) / 2.0 * 255.0).round().clamp(0, 255).to(torch.uint8)
+    return x.permute(0, 2, 3, 4, 1).contiguous().cpu().numpy()
+
+
+def image_from_uint8(image: np.ndarray) -> Tensor:
+    """uint8 array [H, W, 3] -> float32 tensor [1, 3, H, W] in [-1, 1]."""
+    if image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"expected an RGB image [H, W, 3], got shape {image.shape}")
+    x = torch.from_numpy(np.ascontiguousarray(image)).to(torch.float32)
+    return (x / 255.0 * 2.0 - 1.0).permute(2, 0, 1).unsqueeze(0).contiguous()
+
+
+def _find_vae_folder(path: Path) -> Path:
+    if path.is_file() and path.suffix in (".pth", ".pt", ".ckpt"):
+        raise NotImplementedError(_convert_hint(path))
+    if not path.exists():
+        raise FileNotFoundError(f"VAE path {path} does not exist")
+    if (path / "vae" / "config.json").is_file():
+        return path / "vae"
+    # Original Wan folders hold Wan2.1_VAE.pth next to the DiT's config.json.
+    originals = sorted(path.glob("*VAE*.pth"))
+    if originals:
+        raise NotImplementedError(_convert_hint(originals[0]))
+    if (path / "config.json").is_file():
+        class_name = json.loads((path / "config.json").read_text()).get("_class_name", "AutoencoderKLWan")
+        if class_name != "AutoencoderKLWan":
+            raise ValueError(f"{path / 'config.json'} describes a {class_name}, not an AutoencoderKLWan")
+        return path
+    raise FileNotFoundError(
+        f"no diffusers AutoencoderKLWan under {path}: expected {path / 'vae' / 'config.json'} "
+        f"or {path / 'config.json'} with its weights"
+    )
+
+
+def _convert_hint(path: Path) -> str:
+    return (
+        f"{path} is an original Wan VAE checkpoint; StreamWorld loads the diffusers layout only. "
+        "Convert it first with diffusers' scripts/convert_wan_to_diffusers.py and pass the output folder."
+    )

@@ -1,0 +1,119 @@
+"""`streamworld generate` and friends, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import av
+import numpy as np
+import pytest
+
+from streamworld.cli import main
+from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+
+
+def test_generate_writes_npy_equal_to_the_reference(tmp_path, tiny_model, capsys):
+    out = tmp_path / "clip.npy"
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "tiny-wan",
+                "--chunks",
+                "2",
+                "--seed",
+                "7",
+                "--prompt",
+                "hi",
+                "--kv-mode",
+                "noisy",
+                "--device",
+                "cpu",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    frames = np.load(out)
+    expected = ReferenceGenerator(tiny_model).generate(
+        GenerationRequest(seed=7, num_chunks=2, prompt="hi", kv_mode="noisy")
+    )
+    assert frames.dtype == np.uint8
+    assert np.array_equal(frames, expected.frames)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_generate_writes_a_playable_mp4(tmp_path, tiny_model):
+    out = tmp_path / "clip.mp4"
+    assert main(["generate", "--chunks", "3", "--device", "cpu", "--out", str(out)]) == 0
+    cfg = tiny_model.config
+    with av.open(str(out)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264"
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(decoded) == cfg.first_chunk_frames + 2 * cfg.frames_per_chunk
+    assert decoded[0].shape == (cfg.height, cfg.width, 3)
+    # Lossy, but the decoded video must resemble what was generated.
+    expected = ReferenceGenerator(tiny_model).generate(GenerationRequest(seed=0, num_chunks=3)).frames
+    err = np.abs(np.stack(decoded).astype(float) - expected.astype(float)).mean()
+    assert err < 12, err
+
+
+def test_same_inputs_give_identical_files(tmp_path):
+    a, b = tmp_path / "a.npy", tmp_path / "b.npy"
+    for out in (a, b):
+        assert main(["generate", "--chunks", "1", "--seed", "5", "--device", "cpu", "--out", str(out)]) == 0
+    assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--chunks", "0"], "--chunks must be at least 1"),
+        (["--out", "clip.gif"], "--out must end in .npy or .mp4"),
+        (["--out", "/no/such/folder/clip.npy"], "does not exist"),
+        (["--actions", "/no/such/actions.json"], "does not exist"),
+        (["--image", "/no/such/image.png"], "does not exist"),
+        (["--dit", "/no/such/ckpt.pt"], "does not exist"),
+        (["--model", "wan2.1-t2v-1.3b"], "needs weights"),
+    ],
+)
+def test_bad_arguments_give_a_one_line_error(tmp_path, capsys, args, message):
+    argv = ["generate", "--device", "cpu", "--out", str(tmp_path / "x.npy"), *args]
+    if "--out" in args:
+        argv = ["generate", "--device", "cpu", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_actions_for_a_model_without_actions_is_a_clear_error(tmp_path, capsys):
+    actions = tmp_path / "a.json"
+    actions.write_text(json.dumps({"actions": [[0.0, 1.0]] * 9}))
+    assert (
+        main(["generate", "--device", "cpu", "--actions", str(actions), "--out", str(tmp_path / "x.npy")])
+        == 2
+    )
+    assert "takes no actions" in capsys.readouterr().err
+
+
+def test_module_entry_point_and_models_listing():
+    out = subprocess.run(
+        [sys.executable, "-m", "streamworld", "models", "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    ids = [m["id"] for m in json.loads(out)["models"]]
+    assert {"tiny-wan", "wan2.1-t2v-1.3b"} <= set(ids)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "streamworld", "generate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--kv-mode" in help_text and "--random-weights" in help_text

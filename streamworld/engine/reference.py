@@ -31,7 +31,6 @@ from ..models.kv import (
     retained_frame_indices,
     step_kv_access,
 )
-from ..models.schedule import chunk_noise
 from ..models.vae import DecoderState, image_from_uint8, to_uint8
 from ..models.world_model import WorldModel
 
@@ -230,11 +229,9 @@ class ReferenceGenerator:
             unit = ChunkInput(x, timesteps, text, view, latent_actions)
             return model.dit.forward_chunk([unit])[0]
 
-        x = chunk_noise(seed, chunk, 0, shape).to(model.device)
-        x0 = x
+        x0 = None
         for k in range(sched.num_steps):
-            if k > 0:
-                x = sched.renoise(x0, chunk_noise(seed, chunk, k, shape).to(model.device), k)
+            x = sched.step_input(seed, chunk, k, x0, shape, model.device)
             flow = forward(x, sched.timesteps[k], step_kv_access(kv_mode, k, sched.num_steps))
             x0 = sched.x0_from_flow(x, flow, k)
         commit = commit_kv_access(kv_mode)

@@ -58,6 +58,23 @@ class FlowSchedule:
         s = self.sigma(self.timesteps[step])
         return (1.0 - s) * x0 + s * noise
 
+    def step_input(
+        self,
+        seed: int,
+        chunk: int,
+        step: int,
+        x0_prev: torch.Tensor | None,
+        shape: tuple[int, ...],
+        device: torch.device | str,
+    ) -> torch.Tensor:
+        """x_t fed to denoising `step` of a chunk: pure noise at step 0, re-noised x0 after."""
+        noise = chunk_noise(seed, chunk, step, shape).to(device)
+        if step == 0:
+            return noise
+        if x0_prev is None:
+            raise ValueError("steps after the first need the previous step's x0")
+        return self.renoise(x0_prev, noise, step)
+
 
 def noise_seed(seed: int, chunk: int, step: int) -> int:
     digest = hashlib.blake2b(f"{seed}:{chunk}:{step}".encode(), digest_size=8).digest()

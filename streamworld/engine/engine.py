@@ -446,8 +446,9 @@ class AsyncEngine:
                     and stream.actions.known < needed
                 ):
                     break
+                est = stream.est_latency if stream.est_latency is not None else self.est_latency
                 start_at = self.scheduler.chunk_start_time(
-                    stream.deadline(c), stream.priority, stream.chunk_duration, self.est_latency
+                    stream.deadline(c), stream.priority, stream.chunk_duration, est
                 )
                 if now < start_at:
                     next_time = start_at if next_time is None else min(next_time, start_at)
@@ -726,7 +727,8 @@ class AsyncEngine:
         if chunk.index == 0 and stream.started_at is not None:
             self.stats.ttff_s.append(now - stream.started_at)
         latency = now - first
-        self.est_latency = latency if self.est_latency is None else 0.8 * self.est_latency + 0.2 * latency
+        self.est_latency = _ema(self.est_latency, latency)
+        stream.est_latency = _ema(stream.est_latency, latency)
         self._maybe_complete(stream)
 
     def _retire_if_done(self, stream: Stream, chunk: ChunkState) -> None:
@@ -770,6 +772,10 @@ class AsyncEngine:
         if wall <= 0:
             return math.nan
         return sum(r.busy_s for r in self.ranks) / (wall * len(self.ranks))
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 def _as_generation_request(request: StreamRequest):

@@ -130,6 +130,7 @@ class Stream:
     prefill_pending: bool = False
     image_latent: Any = None  # [C, 1, h, w] once the first image is encoded
     stopping: bool = False  # `stop` asked: finish the started chunks, then end
+    est_latency: float | None = None  # EMA of this stream's chunk latency (first unit -> frames)
     paused_s: float = 0.0
 
     @property

@@ -179,23 +179,20 @@ class CausalWanDiT(nn.Module):
     def run_blocks(
         self, act: StageActivation, units: Sequence[ChunkInput], start: int, stop: int
     ) -> StageActivation:
-        """Blocks [start, stop) on a batch of units, reading and writing K/V through their views."""
-        b = len(units)
+        """Blocks [start, stop) on a batch of units, reading and writing K/V through their views.
+
+        Units whose contexts have the same length attend in one batched call; otherwise each
+        unit attends over exactly its own keys (one call per unit), so no compute is spent
+        on padding. Every other operation of the block runs on the whole batch.
+        """
         ctx_frames = [u.kv.context_frames for u in units]
         cos, sin = self.rope(max(ctx_frames) + act.num_frames)
-        p = self.tokens_per_frame
         # Query positions follow each unit's own context: [B, N, 1, d].
         q_cos = torch.stack([cos[c : c + act.num_frames].flatten(0, 1) for c in ctx_frames]).unsqueeze(2)
         q_sin = torch.stack([sin[c : c + act.num_frames].flatten(0, 1) for c in ctx_frames]).unsqueeze(2)
-        max_ctx = max(ctx_frames) * p
-        mask = None
-        if any(c != ctx_frames[0] for c in ctx_frames):
-            n = act.hidden.shape[1]
-            valid = torch.zeros(b, 1, 1, max_ctx + n, dtype=torch.bool, device=act.hidden.device)
-            for i, c in enumerate(ctx_frames):
-                valid[i, ..., : c * p] = True
-                valid[i, ..., max_ctx:] = True
-            mask = valid
+        ctx_cos = [cos[:c].flatten(0, 1)[:, None] for c in ctx_frames]
+        ctx_sin = [sin[:c].flatten(0, 1)[:, None] for c in ctx_frames]
+        uniform = all(c == ctx_frames[0] for c in ctx_frames)
 
         for index in range(start, stop):
 
@@ -204,22 +201,20 @@ class CausalWanDiT(nn.Module):
                 for i, unit in enumerate(units):
                     ctx = unit.kv.context(index)
                     unit.kv.store(index, k[i], v[i])
-                    c = ctx_frames[i] * p
-                    ck = k.new_zeros(max_ctx, self.heads, self.head_dim)
-                    cv = v.new_zeros(max_ctx, self.heads, self.head_dim)
-                    if ctx is not None and c:
-                        ck[:c] = _rotate(
-                            ctx[0].to(k.dtype),
-                            cos[: ctx_frames[i]].flatten(0, 1)[:, None],
-                            sin[: ctx_frames[i]].flatten(0, 1)[:, None],
-                        )
-                        cv[:c] = ctx[1].to(v.dtype)
-                    keys.append(ck)
-                    values.append(cv)
+                    own_k = _rotate(k[i], q_cos[i], q_sin[i])
+                    if ctx is None or not ctx_frames[i]:
+                        keys.append(own_k)
+                        values.append(v[i])
+                    else:
+                        ctx_k = _rotate(ctx[0].to(k.dtype), ctx_cos[i], ctx_sin[i])
+                        keys.append(torch.cat([ctx_k, own_k]))
+                        values.append(torch.cat([ctx[1].to(v.dtype), v[i]]))
                 q = _rotate(q, q_cos, q_sin)
-                k = torch.cat([torch.stack(keys), _rotate(k, q_cos, q_sin)], dim=1)
-                v = torch.cat([torch.stack(values), v], dim=1)
-                return _sdpa(q, k, v, mask)
+                if uniform:
+                    return _sdpa(q, torch.stack(keys), torch.stack(values), None)
+                return torch.cat(
+                    [_sdpa(q[i : i + 1], keys[i][None], values[i][None], None) for i in range(len(units))]
+                )
 
             text_k = torch.stack([u.text.keys[index] for u in units])
             text_v = torch.stack([u.text.values[index] for u in units])

@@ -1,7 +1,8 @@
 """`streamworld` command line.
 
-Subcommands that exist today: `generate` (the sequential reference generator) and `models`
-(the model presets). `serve`, `bench`, `train` and `eval` arrive with their issues.
+Subcommands that exist today: `generate` (the sequential reference generator), `bench` (the
+engine against the sequential baseline) and `models` (the model presets). `serve`, `train`
+and `eval` arrive with their issues.
 """
 
 from __future__ import annotations
@@ -77,6 +78,49 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-mode", choices=("clean", "final", "noisy"), help="KV mode (default: the model's)")
     gen.add_argument("--out", required=True, metavar="PATH", help="output .npy (uint8 [T, H, W, 3]) or .mp4")
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser(
+        "bench",
+        help="N concurrent streams through the engine vs. the sequential baseline",
+        description=(
+            "Run N streams through the engine for a fixed time, then the same streams one after another "
+            "through the sequential reference loop (the naive baseline) in the same process. Prints "
+            "aggregate and per-stream frames/s, time to first frame, inter-chunk p50/p99, deadline "
+            "attainment, the batch-size histogram, executor idle share and the engine/baseline ratio."
+        ),
+    )
+    _add_model_args(bench)
+    bench.add_argument("--streams", type=int, default=4, help="concurrent streams (default 4)")
+    bench.add_argument("--duration", type=float, default=20.0, help="seconds of engine run (default 20)")
+    bench.add_argument(
+        "--kv-mode", choices=("clean", "final", "noisy"), help="KV mode (default: the model's)"
+    )
+    bench.add_argument(
+        "--baseline-kv-mode",
+        choices=("clean", "final", "noisy"),
+        help="KV mode of the sequential baseline (default: same as --kv-mode)",
+    )
+    bench.add_argument("--priority", choices=("interactive", "standard", "batch"), default="standard")
+    bench.add_argument("--prompt", default="a walk through a forest")
+    bench.add_argument(
+        "--unpaced",
+        action="store_true",
+        help="no playback clocks: every stream runs as fast as it can (throughput)",
+    )
+    bench.add_argument("--stages", type=int, default=1, help="block stages per forward (default 1)")
+    bench.add_argument(
+        "--ranks", type=int, default=1, help="virtual ranks (threads / CUDA streams) (default 1)"
+    )
+    bench.add_argument("--max-batch", type=int, default=16, help="most units in one batch (default 16)")
+    bench.add_argument(
+        "--ttff-budget",
+        type=float,
+        default=1.0,
+        help="seconds from start to chunk 0's deadline (default 1.0)",
+    )
+    bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
+    bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    bench.set_defaults(func=cmd_bench)
 
     models = sub.add_parser("models", help="list the model presets")
     models.add_argument("--json", action="store_true", help="print the /v1/models entries as JSON")
@@ -174,6 +218,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{request.kv_mode or model.config.default_kv_mode}) in {elapsed:.2f} s "
         f"({t / elapsed:.1f} frames/s)"
     )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, format_report, run_bench, write_json
+
+    if args.streams < 1 or args.duration <= 0:
+        raise UsageError("--streams must be at least 1 and --duration positive")
+    if args.json and not Path(args.json).resolve().parent.exists():
+        raise UsageError(f"--json: folder {Path(args.json).parent} does not exist")
+    model = _load_model(args)
+    if args.stages > model.config.num_layers:
+        raise UsageError(f"--stages must be at most {model.config.num_layers} (the model's blocks)")
+    cfg = BenchConfig(
+        streams=args.streams,
+        duration_s=args.duration,
+        kv_mode=args.kv_mode,
+        baseline_kv_mode=args.baseline_kv_mode,
+        priority=args.priority,
+        prompt=args.prompt,
+        paced=not args.unpaced,
+        num_stages=args.stages,
+        num_ranks=args.ranks,
+        max_batch_units=args.max_batch,
+        ttff_budget_s=args.ttff_budget,
+        baseline=not args.no_baseline,
+    )
+    result = run_bench(model, cfg)
+    print(format_report(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -165,3 +165,22 @@ def test_uint8_conversion() -> None:
     assert x.shape == (1, 3, 1, 1) and x.dtype == torch.float32
     torch.testing.assert_close(x.flatten(), torch.tensor([-1.0, 1.0, 128 / 255 * 2 - 1]))
     assert np.array_equal(to_uint8(x.unsqueeze(2)).reshape(3), image.reshape(3))
+
+
+def test_batched_decode_of_several_streams_equals_decoding_each_alone():
+    vae = StreamingVAE.from_kwargs(TINY_VAE, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    chunks = [[torch.randn(1, 4, f, 4, 4, generator=gen) for f in (3, 3, 3)] for _ in range(3)]
+    alone = []
+    for stream in chunks:
+        state = vae.new_decoder_state()
+        alone.append([vae.decode_chunk(x, state) for x in stream])
+    states = [vae.new_decoder_state() for _ in chunks]
+    for c in range(3):
+        outs = vae.decode_chunks([stream[c] for stream in chunks], states)
+        for s, out in enumerate(outs):
+            torch.testing.assert_close(out, alone[s][c], atol=1e-5, rtol=1e-5)
+    # A stream at another position cannot join the batch.
+    fresh = vae.new_decoder_state()
+    with pytest.raises(ValueError, match="different positions"):
+        vae.decode_chunks([chunks[0][0], chunks[1][0]], [fresh, states[0]])

@@ -68,6 +68,8 @@ class EngineConfig:
     max_streams: int = 8
     max_queue: int = 16
     ttff_budget_s: float = 1.0
+    # Most chunks (of different streams) decoded in one VAE batch.
+    max_decode_batch: int = 8
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: bool = False
     # Tests: called on the executor for every unit before it runs; raising fails the unit.
@@ -659,6 +661,7 @@ class AsyncEngine:
 
     # --- decoding -----------------------------------------------------------------------
     def _launch_decode(self) -> None:
+        """Decodes the most urgent ready chunk, batched with others whose decoder states agree."""
         if self.decoder.busy:
             return
         candidates = []
@@ -670,37 +673,51 @@ class AsyncEngine:
                 candidates.append((stream.priority, stream.deadline(max(chunk.index, 0)), stream.id, chunk))
         if not candidates:
             return
-        _, _, sid, chunk = min(candidates, key=lambda c: c[:3])
-        stream = self.streams[sid]
-        chunk.decoding = True
-        x0, state, vae = chunk.x0, stream.decoder, self.model.vae
-        dtype = self.model.dtype
+        candidates.sort(key=lambda c: c[:3])
+        head = self.streams[candidates[0][2]]
+        key = (head.decoder.signature(), candidates[0][3].num_frames)
+        picked = [
+            (self.streams[sid], chunk)
+            for _, _, sid, chunk in candidates
+            if (self.streams[sid].decoder.signature(), chunk.num_frames) == key
+        ][: self.config.max_decode_batch]
+        for _, chunk in picked:
+            chunk.decoding = True
+        vae, dtype = self.model.vae, self.model.dtype
+        latents = [chunk.x0.unsqueeze(0).to(dtype) for _, chunk in picked]
+        states = [stream.decoder for stream, _ in picked]
 
-        def decode() -> tuple[np.ndarray, torch.Tensor, float]:
+        def decode() -> tuple[list[np.ndarray], list[torch.Tensor], float]:
             start = time.perf_counter()
-            video = vae.decode_chunk(x0.unsqueeze(0).to(dtype), state)
-            frames = to_uint8(video)[0]
-            return frames, x0.float().cpu(), time.perf_counter() - start
+            videos = vae.decode_chunks(latents, states)
+            frames = [to_uint8(v)[0] for v in videos]
+            cpu_latents = [chunk.x0.float().cpu() for _, chunk in picked]
+            return frames, cpu_latents, time.perf_counter() - start
 
         fut = self.decoder.submit(decode)
-        fut.add_done_callback(lambda f: self._on_decoded(stream, chunk, f))
+        fut.add_done_callback(lambda f: self._on_decoded(picked, f))
 
-    def _on_decoded(self, stream: Stream, chunk: ChunkState, fut: asyncio.Future) -> None:
+    def _on_decoded(self, picked: list[tuple[Stream, ChunkState]], fut: asyncio.Future) -> None:
         self.decoder.done()
         self._poke()
-        if not stream.live:
-            return
         if fut.exception() is not None:
-            self._end(stream, "error", "error", f"decoding chunk {chunk.index} failed: {fut.exception()}")
+            for stream, chunk in picked:
+                if stream.live:
+                    self._end(
+                        stream, "error", "error", f"decoding chunk {chunk.index} failed: {fut.exception()}"
+                    )
             return
         frames, latents, decode_s = fut.result()
         now = time.monotonic()
-        chunk.decoded = True
-        chunk.decode_s = decode_s
-        stream.next_decode += 1
-        if chunk.index != PREFILL_CHUNK:
-            self._deliver(stream, chunk, frames, latents, now)
-        self._retire_if_done(stream, chunk)
+        for (stream, chunk), f, lat in zip(picked, frames, latents, strict=True):
+            if not stream.live:
+                continue
+            chunk.decoded = True
+            chunk.decode_s = decode_s
+            stream.next_decode += 1
+            if chunk.index != PREFILL_CHUNK:
+                self._deliver(stream, chunk, f, lat, now)
+            self._retire_if_done(stream, chunk)
 
     def _deliver(
         self, stream: Stream, chunk: ChunkState, frames: np.ndarray, latents: torch.Tensor, now: float

@@ -58,6 +58,11 @@ class DecoderState:
         self.feat_cache = [None] * len(self.feat_cache)
         self.latent_frames = 0
 
+    def signature(self) -> tuple:
+        """States with equal signatures can be decoded together in one batch."""
+        slots = tuple(tuple(t.shape[1:]) if isinstance(t, Tensor) else t for t in self.feat_cache)
+        return (self.started, *slots)
+
 
 class StreamingVAE(torch.nn.Module):
     """`AutoencoderKLWan` with normalised latents and per-stream decoder state."""
@@ -174,6 +179,38 @@ class StreamingVAE(torch.nn.Module):
         if self.vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)
         return out.clamp(-1.0, 1.0)
+
+    @torch.inference_mode()
+    def decode_chunks(self, latents: list[Tensor], states: list[DecoderState]) -> list[Tensor]:
+        """Decode the next chunk of several streams in one batch.
+
+        latents: one [1, C, F, h, w] per stream, all the same shape; states must have equal
+        `signature()`s (same position in their streams' frame structure). Each state is
+        updated as `decode_chunk` would; the results equal per-stream decoding up to rounding.
+        """
+        if len(latents) != len(states) or not latents:
+            raise ValueError("decode_chunks needs one state per latent chunk")
+        if len(latents) == 1:
+            return [self.decode_chunk(latents[0], states[0])]
+        if len({s.signature() for s in states}) != 1:
+            raise ValueError("decoder states at different positions cannot be batched")
+        sizes = [x.shape[0] for x in latents]
+        batch = DecoderState(
+            [
+                torch.cat(slot) if isinstance(slot[0], Tensor) else slot[0]
+                for slot in zip(*(s.feat_cache for s in states), strict=True)
+            ],
+            states[0].latent_frames,
+        )
+        out = self.decode_chunk(torch.cat(latents), batch)
+        offsets = np.cumsum([0, *sizes])
+        for i, state in enumerate(states):
+            state.feat_cache = [
+                slot[offsets[i] : offsets[i + 1]].clone() if isinstance(slot, Tensor) else slot
+                for slot in batch.feat_cache
+            ]
+            state.latent_frames = batch.latent_frames
+        return [out[offsets[i] : offsets[i + 1]] for i in range(len(states))]
 
     def decode_full(self, latents: Tensor) -> Tensor:
         """Decode a whole clip [B, C, F, h, w] from the start of a stream: [B, 3, 1 + r(F-1), H, W]."""

@@ -63,9 +63,11 @@ class StreamError(RuntimeError):
 class EngineConfig:
     num_stages: int = 1
     num_ranks: int = 1
-    # Pages per stage; by default room for `max_streams` streams in their worst case.
+    # Pages per stage; by default room for `max_streams` streams in their worst case, capped
+    # on a GPU at `kv_memory_fraction` of the memory free when the engine starts.
     kv_pages: int | None = None
     max_streams: int = 8
+    kv_memory_fraction: float = 0.6
     max_queue: int = 16
     ttff_budget_s: float = 1.0
     # Most chunks (of different streams) decoded in one VAE batch.
@@ -171,8 +173,7 @@ class AsyncEngine:
         cfg = model.config
         self.stages: list[Stage] = split_stages(cfg.num_layers, self.config.num_stages)
         self.num_steps = model.schedule.num_steps
-        worst = pages_needed(self.num_steps, cfg.sink_frames, cfg.window_frames, cfg.latent_frames_per_chunk)
-        pages = self.config.kv_pages if self.config.kv_pages is not None else worst * self.config.max_streams
+        pages = self.config.kv_pages if self.config.kv_pages is not None else self._default_pages()
         self.pool = KVPagePool(
             self.stages,
             pages,
@@ -198,6 +199,18 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.started_at = time.monotonic()
+
+    def _default_pages(self) -> int:
+        cfg, model = self.model.config, self.model
+        worst = pages_needed(self.num_steps, cfg.sink_frames, cfg.window_frames, cfg.latent_frames_per_chunk)
+        pages = worst * self.config.max_streams
+        if model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            element = torch.empty((), dtype=model.dtype).element_size()
+            # A page in every stage: K and V of one frame for all blocks.
+            page_bytes = 2 * cfg.num_layers * cfg.tokens_per_frame * model.dit.dim * element
+            pages = min(pages, int(self.config.kv_memory_fraction * free) // page_bytes)
+        return max(pages, 1)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -675,11 +688,13 @@ class AsyncEngine:
             return
         candidates.sort(key=lambda c: c[:3])
         head = self.streams[candidates[0][2]]
-        key = (head.decoder.signature(), candidates[0][3].num_frames)
+        # Same decoder position and chunk shape, and the head's priority class: lower classes
+        # do not ride along and delay it.
+        key = (head.priority, head.decoder.signature(), candidates[0][3].num_frames)
         picked = [
             (self.streams[sid], chunk)
-            for _, _, sid, chunk in candidates
-            if (self.streams[sid].decoder.signature(), chunk.num_frames) == key
+            for prio, _, sid, chunk in candidates
+            if (prio, self.streams[sid].decoder.signature(), chunk.num_frames) == key
         ][: self.config.max_decode_batch]
         for _, chunk in picked:
             chunk.decoding = True

@@ -285,3 +285,31 @@ async def test_kv_pages_stay_flat_on_a_long_stream(tiny_model):
     need = engine._pages_for("noisy")
     assert max(used) <= need
     assert len(set(used[6:])) == 1, used
+
+
+async def test_prompt_switch_applies_from_the_next_chunk_not_yet_started():
+    # `wait` holds chunk 2 until its actions arrive, so the switch lands exactly there.
+    model = load_tiny(action_dim=2)
+    cfg = model.config
+    f, r = cfg.latent_frames_per_chunk, cfg.temporal_ratio
+    actions = np.random.default_rng(3).normal(size=(1 + r * (3 * f - 1), 2)).astype(np.float32)
+    upto_chunk_1 = r * (2 * f - 1)  # actions chunks 0 and 1 need
+    async with AsyncEngine(model, engine_config()) as engine:
+        request = StreamRequest(
+            seed=4, num_chunks=3, prompt="old", actions=actions[:upto_chunk_1], action_policy="wait"
+        )
+        handle = engine.open_stream(request)
+        outputs = []
+        async for out in handle:
+            outputs.append(out)
+            if out.index == 1:
+                handle.set_prompt("new")
+                handle.push_actions(actions[upto_chunk_1:])
+    expected = ReferenceGenerator(model).generate(
+        GenerationRequest(seed=4, num_chunks=3, prompt="old", prompt_changes={2: "new"}, actions=actions)
+    )
+    assert_matches(outputs, expected)
+    unchanged = ReferenceGenerator(model).generate(
+        GenerationRequest(seed=4, num_chunks=3, prompt="old", actions=actions)
+    )
+    assert (expected.latents[:, 2 * f :] - unchanged.latents[:, 2 * f :]).abs().max() > 1e-4

@@ -57,6 +57,61 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"streamworld {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    serve = sub.add_parser(
+        "serve",
+        help="run the WebSocket streaming server",
+        description=(
+            "Serve one or more models on one port: the browser demo at /, /healthz, /metrics, /v1/models "
+            "and WebSocket streams at /v1/stream (protocol: docs/protocol.md). Stops cleanly on Ctrl-C "
+            "or SIGTERM: live sessions get session.done."
+        ),
+    )
+    serve.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="MODEL",
+        help="model to serve; repeat for several (default: tiny-wan). The first is the default model.",
+    )
+    serve.add_argument(
+        "--weights", metavar="DIR", help="local diffusers-style folder for the real-size model"
+    )
+    serve.add_argument(
+        "--dit", metavar="PATH", help="DiT checkpoint for the real-size model (see generate --help)"
+    )
+    serve.add_argument("--vae", metavar="DIR", help="VAE folder for the real-size model")
+    serve.add_argument("--text-encoder", metavar="DIR", help="umT5 folder for the real-size model")
+    serve.add_argument(
+        "--random-weights", action="store_true", help="real-size models with random weights (timing)"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    serve.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
+    )
+    serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=8,
+        help="sessions per model that fit the K/V pool in their worst case (default 8)",
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=16, help="sessions that may wait for admission (default 16)"
+    )
+    serve.add_argument("--stages", type=int, default=1, help="block stages per forward (default 1)")
+    serve.add_argument(
+        "--ranks", type=int, default=1, help="virtual ranks (threads / CUDA streams) (default 1)"
+    )
+    serve.add_argument(
+        "--ttff-budget",
+        type=float,
+        default=1.0,
+        help="seconds from a session's start to its first chunk's deadline (default 1.0)",
+    )
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(func=cmd_serve)
+
     gen = sub.add_parser(
         "generate",
         help="generate a clip with the sequential reference generator",
@@ -218,6 +273,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"{request.kv_mode or model.config.default_kv_mode}) in {elapsed:.2f} s "
         f"({t / elapsed:.1f} frames/s)"
     )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from aiohttp import web
+
+    from .engine.engine import EngineConfig
+    from .models import PRESETS
+    from .models.world_model import WeightPaths, WorldModel
+    from .server.app import StreamWorldServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    model_ids = args.models or ["tiny-wan"]
+    unknown = [m for m in model_ids if m not in PRESETS]
+    if unknown:
+        raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
+    if len(set(model_ids)) != len(model_ids):
+        raise UsageError("each --model may be given once")
+    if args.max_sessions < 1 or args.max_queue < 0:
+        raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
+    weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
+    models = {}
+    for mid in model_ids:
+        config = PRESETS[mid]
+        try:
+            models[mid] = WorldModel.load(
+                config,
+                weights if config.requires_weights else None,
+                random_weights=args.random_weights,
+                device=args.device,
+                dtype=args.dtype,
+            )
+        except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
+            raise UsageError(f"{mid}: {e}") from None
+        if args.stages > config.num_layers:
+            raise UsageError(f"--stages must be at most {config.num_layers} for {mid}")
+    engine_config = EngineConfig(
+        num_stages=args.stages,
+        num_ranks=args.ranks,
+        max_streams=args.max_sessions,
+        max_queue=args.max_queue,
+        ttff_budget_s=args.ttff_budget,
+    )
+    server = StreamWorldServer(models, engine_config, default_model=model_ids[0])
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    print(
+        f"StreamWorld serving {', '.join(model_ids)} at http://{args.host}:{args.port}/ "
+        f"(streams: ws://{args.host}:{args.port}/v1/stream); Ctrl-C stops",
+        flush=True,
+    )
+    try:
+        web.run_app(server.build_app(), host=args.host, port=args.port, print=None, shutdown_timeout=10.0)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     return 0
 
 

@@ -309,6 +309,21 @@ class AsyncEngine:
         if stream.live:
             self._encode_prompt(stream)
 
+    def set_paused(self, stream_id: int, paused: bool) -> None:
+        """Pauses (or resumes) the stream's playback clock: no new chunk starts while paused.
+
+        Chunks already started finish. The server pauses a stream whose client reads too
+        slowly; deadlines move by the time spent paused.
+        """
+        stream = self._get(stream_id)
+        now = time.monotonic()
+        if paused and stream.paused_since is None:
+            stream.paused_since = now
+        elif not paused and stream.paused_since is not None:
+            stream.paused_s += now - stream.paused_since
+            stream.paused_since = None
+            self._poke()
+
     def stop(self, stream_id: int) -> None:
         """Finishes the chunks already started, then ends the stream as completed."""
         stream = self._get(stream_id)
@@ -447,7 +462,9 @@ class AsyncEngine:
                     )
                 stream.chunks[PREFILL_CHUNK] = chunk
                 stream.prefill_pending = False
-            while stream.wants_more() and len(stream.chunks) <= self.num_steps:
+            while (
+                stream.paused_since is None and stream.wants_more() and len(stream.chunks) <= self.num_steps
+            ):
                 c = stream.next_chunk
                 phases = chunk_phases(stream.kv_mode, self.num_steps)
                 if not self._context_ready(stream, c, phases[0], 0):

@@ -131,7 +131,8 @@ class Stream:
     image_latent: Any = None  # [C, 1, h, w] once the first image is encoded
     stopping: bool = False  # `stop` asked: finish the started chunks, then end
     est_latency: float | None = None  # EMA of this stream's chunk latency (first unit -> frames)
-    paused_s: float = 0.0
+    paused_s: float = 0.0  # total time the playback clock was paused (backpressure)
+    paused_since: float | None = None
 
     @property
     def live(self) -> bool:

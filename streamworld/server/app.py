@@ -1,0 +1,200 @@
+"""The aiohttp application: one port serves the demo, health, metrics, models and streams.
+
+    GET /            the browser demo (files from web/)
+    GET /healthz     200 {"status": "ok", ...} while the engines take work, 503 when shutting down
+    GET /metrics     Prometheus text format
+    GET /v1/models   served models and their properties
+    GET /v1/stream   WebSocket: one connection = one stream (see session.py)
+
+Engines start in `on_startup` and stop in `on_cleanup`; `on_shutdown` (SIGINT/SIGTERM under
+`run_app`) stops admitting and ends every live session with `session.done`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from aiohttp import web
+
+from ..engine.engine import AsyncEngine, EngineConfig
+from ..models.config import ModelConfig
+from ..models.world_model import WorldModel
+from .metrics import Metrics
+from .session import Session, SessionLimits
+
+log = logging.getLogger("streamworld.server")
+
+WEB_ROOT = Path(__file__).resolve().parents[2] / "web"
+DEFAULT_MAX_TEXT_FRAME = 8 * 1024 * 1024
+
+
+@dataclass
+class ServedModel:
+    model: WorldModel
+    engine: AsyncEngine
+    # Image-to-world models: the first frame used when a session gives none (by seed).
+    first_frame: Callable[[int], np.ndarray] | None = None
+
+    def default_image(self, seed: int) -> np.ndarray | None:
+        return None if self.first_frame is None else self.first_frame(seed)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    max_text_frame: int = DEFAULT_MAX_TEXT_FRAME
+    encode_threads: int = 2
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    shutdown_grace_s: float = 5.0
+
+
+class StreamWorldServer:
+    def __init__(
+        self,
+        models: dict[str, WorldModel],
+        engine_config: EngineConfig | None = None,
+        config: ServerConfig | None = None,
+        default_model: str | None = None,
+    ) -> None:
+        if not models:
+            raise ValueError("serve at least one model")
+        self.config = config or ServerConfig()
+        self.limits = self.config.limits
+        self.engine_config = engine_config or EngineConfig()
+        self.models: dict[str, ServedModel] = {
+            mid: ServedModel(model, AsyncEngine(model, self.engine_config)) for mid, model in models.items()
+        }
+        self.model_configs: dict[str, ModelConfig] = {mid: m.model.config for mid, m in self.models.items()}
+        self.default_model = default_model or next(iter(models))
+        if self.default_model not in self.models:
+            raise ValueError(f"default model {self.default_model!r} is not served")
+        self.metrics = Metrics({mid: m.engine for mid, m in self.models.items()})
+        self.sessions: set[Session] = set()
+        self.shutting_down = False
+        self.encode_pool = ThreadPoolExecutor(
+            self.config.encode_threads, thread_name_prefix="streamworld-encode"
+        )
+
+    # --- application -----------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/stream", self.stream)
+        app.router.add_get("/", self.index)
+        if WEB_ROOT.is_dir():
+            app.router.add_static("/web/", WEB_ROOT, show_index=False)
+        app.on_startup.append(self._startup)
+        app.on_shutdown.append(self._shutdown)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _startup(self, app: web.Application) -> None:
+        for served in self.models.values():
+            await served.engine.start()
+
+    async def _shutdown(self, app: web.Application) -> None:
+        self.shutting_down = True
+        sessions = list(self.sessions)
+        for s in sessions:
+            s.shutdown()
+        if sessions:
+            done = [asyncio.create_task(s.done.wait()) for s in sessions]
+            _, pending = await asyncio.wait(done, timeout=self.config.shutdown_grace_s)
+            for task in pending:
+                task.cancel()
+            for s in sessions:
+                if not s.ws.closed:
+                    with contextlib.suppress(Exception):
+                        await s.ws.close(code=1001, message=b"server shutting down")
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for served in self.models.values():
+            await served.engine.close()
+        self.encode_pool.shutdown(wait=True, cancel_futures=True)
+
+    # --- handlers --------------------------------------------------------------------------
+    async def healthz(self, request: web.Request) -> web.Response:
+        body = {
+            "status": "shutting_down" if self.shutting_down else "ok",
+            "models": list(self.models),
+            "sessions": len(self.sessions),
+        }
+        return web.json_response(body, status=503 if self.shutting_down else 200)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type": "text/plain; version=0.0.4"},
+        )
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        entries = []
+        for mid, served in self.models.items():
+            entry = served.model.config.describe()
+            entry["default"] = mid == self.default_model
+            entry["has_default_image"] = served.first_frame is not None
+            entries.append(entry)
+        return web.json_response({"models": entries})
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        page = WEB_ROOT / "index.html"
+        if page.is_file():
+            return web.FileResponse(page)
+        links = "".join(f"<li>{mid}</li>" for mid in self.models)
+        html = (
+            "<!doctype html><title>StreamWorld</title><h1>StreamWorld</h1>"
+            "<p>The browser demo is not built yet. Served models:</p>"
+            f"<ul>{links}</ul><p>See <a href='/v1/models'>/v1/models</a>, <a href='/healthz'>/healthz</a>, "
+            "<a href='/metrics'>/metrics</a>; streams are at <code>/v1/stream</code> (WebSocket).</p>"
+        )
+        return web.Response(text=html, content_type="text/html")
+
+    async def stream(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0)
+        await ws.prepare(request)
+        session = Session(self, ws, secrets.token_hex(8))
+        self.sessions.add(session)
+        try:
+            await session.run()
+        except Exception:
+            log.exception("session %s failed", session.id)
+            with contextlib.suppress(Exception):
+                await ws.send_json({"type": "error", "code": "internal", "message": "internal server error"})
+                await ws.close(code=1011, message=b"internal error")
+        finally:
+            session._cancel_stream()
+            session.done.set()
+            self.sessions.discard(session)
+            if not ws.closed:
+                await ws.close()
+        return ws
+
+
+def load_models(
+    model_ids: list[str],
+    *,
+    device: str,
+    dtype: str,
+    weights: dict[str, object] | None = None,
+    random_weights: bool = False,
+) -> dict[str, WorldModel]:
+    from ..models import get_preset
+
+    weights = weights or {}
+    return {
+        mid: WorldModel.load(
+            get_preset(mid), weights.get(mid), random_weights=random_weights, device=device, dtype=dtype
+        )
+        for mid in model_ids
+    }

@@ -1,0 +1,92 @@
+"""Prometheus metrics (names from PROTOCOL.md, all prefixed `streamworld_`).
+
+Event metrics (histograms, counters) are observed by sessions as things happen. State
+metrics (sessions, K/V pages, the batch-size histogram kept by each engine) are read from
+the engines when `/metrics` is scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ..engine.engine import AsyncEngine
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engines: dict[str, AsyncEngine]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterable:
+        active = GaugeMetricFamily("streamworld_sessions_active", "Streams generating now", labels=["model"])
+        waiting = GaugeMetricFamily(
+            "streamworld_sessions_waiting", "Streams waiting for admission", labels=["model"]
+        )
+        used = GaugeMetricFamily("streamworld_kv_pages_used", "K/V pages in use", labels=["model"])
+        total = GaugeMetricFamily("streamworld_kv_pages_total", "K/V pages in the pool", labels=["model"])
+        batch = HistogramMetricFamily(
+            "streamworld_batch_size", "Work units per executed batch", labels=["model"]
+        )
+        for model, engine in self.engines.items():
+            active.add_metric([model], engine.live_streams())
+            waiting.add_metric([model], len(engine.waiting))
+            used.add_metric([model], engine.pool.pages_used)
+            total.add_metric([model], engine.pool.pages_total)
+            sizes = engine.stats.batch_sizes
+            buckets, running = [], 0
+            for bound in BATCH_BUCKETS:
+                running = sum(n for size, n in sizes.items() if size <= bound)
+                buckets.append((str(bound), running))
+            count = sum(sizes.values())
+            buckets.append(("+Inf", count))
+            batch.add_metric([model], buckets, sum_value=sum(size * n for size, n in sizes.items()))
+        yield from (active, waiting, used, total, batch)
+
+
+class Metrics:
+    def __init__(self, engines: dict[str, AsyncEngine]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttff = Histogram(
+            "streamworld_time_to_first_frame_seconds",
+            "From session.start to the first chunk's payload sent",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_chunk = Histogram(
+            "streamworld_inter_chunk_seconds",
+            "Between consecutive chunks of a session",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.action_to_frame = Histogram(
+            "streamworld_action_to_frame_seconds",
+            "From an action's arrival to the first frame it conditions being sent",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.deadline_miss = Counter(
+            "streamworld_chunk_deadline_miss",
+            "Chunks ready after their playback deadline",
+            ["model"],
+            registry=r,
+        )
+        self.frames = Counter("streamworld_frames_generated", "Video frames sent", ["model"], registry=r)
+        self.finished = Counter(
+            "streamworld_sessions_finished", "Sessions ended, by reason", ["model", "reason"], registry=r
+        )
+        r.register(EngineCollector(engines))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""The one place that parses and validates client messages (PROTOCOL.md, version 1).
+
+Every problem becomes a `ProtocolError` with a protocol error code (`bad_request`,
+`unsupported`) and a message a person can act on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..models.config import ModelConfig
+from .media import FORMATS
+
+PRIORITIES = ("interactive", "standard", "batch")
+ACTION_POLICIES = ("hold", "wait")
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def to_message(self) -> dict[str, str]:
+        return {"type": "error", "code": self.code, "message": self.message}
+
+
+@dataclass
+class SessionStart:
+    model: str
+    prompt: str
+    image: np.ndarray | None
+    seed: int
+    num_chunks: int | None
+    format: str
+    priority: str
+    action_policy: str
+    kv_mode: str
+
+
+@dataclass
+class ActionMessage:
+    actions: np.ndarray  # [N, action_dim] float32
+    frame: int | None
+
+
+def parse_json(text: str) -> dict[str, Any]:
+    try:
+        msg = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError("bad_request", f"message is not valid JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("bad_request", "a message must be a JSON object with a 'type' field")
+    kind = msg.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("bad_request", "a message needs a string 'type' field")
+    return msg
+
+
+def _field(msg: dict, name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
+    value = msg.get(name, default)
+    if value is None:
+        return default
+    # JSON true/false are Python bools, which are ints too: never accept them as numbers.
+    if isinstance(value, bool) and bool not in kinds:
+        raise ProtocolError("bad_request", f"'{name}' must be {what}, got {json.dumps(value)}")
+    if not isinstance(value, kinds):
+        raise ProtocolError("bad_request", f"'{name}' must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _choice(msg: dict, name: str, choices: tuple[str, ...], default: str, code: str = "bad_request") -> str:
+    value = _field(msg, name, (str,), "a string", default)
+    if value not in choices:
+        raise ProtocolError(code, f"'{name}' must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def parse_session_start(
+    msg: dict[str, Any], models: dict[str, ModelConfig], default_model: str
+) -> SessionStart:
+    if msg["type"] != "session.start":
+        raise ProtocolError("bad_request", f"the first message must be 'session.start', got {msg['type']!r}")
+    model_id = _field(msg, "model", (str,), "a string", default_model)
+    if model_id not in models:
+        raise ProtocolError("unsupported", f"model {model_id!r} is not served; served: {', '.join(models)}")
+    cfg = models[model_id]
+    prompt = _field(msg, "prompt", (str,), "a string", "")
+    if prompt and not cfg.takes_prompt:
+        raise ProtocolError("bad_request", f"model {model_id} takes no prompt")
+    seed = _field(msg, "seed", (int,), "an integer", None)
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    elif not 0 <= seed < 2**63:
+        raise ProtocolError("bad_request", "'seed' must be between 0 and 2**63 - 1")
+    num_chunks = _field(msg, "num_chunks", (int,), "an integer or null", None)
+    if num_chunks is not None and num_chunks < 1:
+        raise ProtocolError(
+            "bad_request", "'num_chunks' must be at least 1 (or null for an open-ended stream)"
+        )
+    fmt = _choice(msg, "format", FORMATS, "jpeg", code="unsupported")
+    priority = _choice(msg, "priority", PRIORITIES, "standard")
+    policy = _choice(msg, "action_policy", ACTION_POLICIES, "hold")
+    kv_mode = _choice(msg, "kv_mode", tuple(cfg.kv_modes), cfg.default_kv_mode, code="unsupported")
+    image = None
+    image_field = _field(msg, "image", (str,), "a base64 PNG or JPEG string", None)
+    if image_field is not None:
+        if not cfg.needs_image:
+            raise ProtocolError("bad_request", f"model {model_id} takes no image")
+        image = decode_image(image_field, cfg.width, cfg.height)
+    return SessionStart(model_id, prompt, image, seed, num_chunks, fmt, priority, policy, kv_mode)
+
+
+def decode_image(data: str, width: int, height: int) -> np.ndarray:
+    """base64 PNG/JPEG (optionally a data: URL) -> uint8 [height, width, 3], resized if needed."""
+    from PIL import Image, UnidentifiedImageError
+
+    if data.startswith("data:"):
+        data = data.split(",", 1)[-1]
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError("bad_request", "'image' is not valid base64") from None
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            if img.format not in ("PNG", "JPEG"):
+                raise ProtocolError("bad_request", f"'image' must be PNG or JPEG, got {img.format}")
+            rgb = img.convert("RGB")
+            if rgb.size != (width, height):
+                rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
+            return np.asarray(rgb, dtype=np.uint8).copy()
+    except (UnidentifiedImageError, OSError):
+        raise ProtocolError("bad_request", "'image' is not a readable PNG or JPEG") from None
+
+
+def parse_action(msg: dict[str, Any], action_dim: int) -> ActionMessage:
+    if action_dim == 0:
+        raise ProtocolError("bad_request", "this model takes no actions")
+    actions = msg.get("actions")
+    if not isinstance(actions, list) or not actions:
+        raise ProtocolError("bad_request", "'actions' must be a non-empty list of action vectors")
+    rows = []
+    for i, row in enumerate(actions):
+        if not isinstance(row, list) or len(row) != action_dim:
+            raise ProtocolError("bad_request", f"actions[{i}] must be a list of {action_dim} numbers")
+        for x in row:
+            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+                raise ProtocolError("bad_request", f"actions[{i}] must hold finite numbers, got {x!r}")
+        rows.append(row)
+    frame = _field(msg, "frame", (int,), "an integer", None)
+    if frame is not None and frame < 0:
+        raise ProtocolError("bad_request", "'frame' must be >= 0")
+    return ActionMessage(np.asarray(rows, dtype=np.float32), frame)
+
+
+def parse_prompt(msg: dict[str, Any], takes_prompt: bool) -> str:
+    if not takes_prompt:
+        raise ProtocolError("bad_request", "this model takes no prompt")
+    prompt = msg.get("prompt")
+    if not isinstance(prompt, str):
+        raise ProtocolError("bad_request", "'prompt' must be a string")
+    return prompt

@@ -1,0 +1,361 @@
+"""One WebSocket = one stream: the session state machine.
+
+    connect -> session.start -> (session.queued)* -> session.started [+ fmp4 init] ->
+        chunk + payload ... -> session.done -> close 1000
+
+Three tasks per session: the reader (client messages), the pump (engine chunks into the
+bounded outgoing queue) and the writer (encode in the CPU pool, send). Backpressure: when
+`pause_chunks` chunks wait to be sent, the stream's playback clock pauses (no new chunk
+starts); a client that does not take a chunk for `slow_client_timeout_s` is ended with an
+error. A slow client therefore never grows server memory without bound nor slows others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from ..engine.engine import Overloaded, StreamError
+from ..engine.stream import ChunkOutput, StreamRequest
+from .media import make_encoder
+from .protocol import ProtocolError, SessionStart, parse_action, parse_json, parse_prompt, parse_session_start
+
+if TYPE_CHECKING:
+    from .app import ServedModel, StreamWorldServer
+
+log = logging.getLogger("streamworld.server")
+
+CLOSE_POLICY = 1008
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_TOO_BIG = 1009
+CLOSE_TRY_AGAIN = 1013
+CLOSE_INTERNAL = 1011
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    start_timeout_s: float = 30.0
+    pause_chunks: int = 2
+    slow_client_timeout_s: float = 10.0
+
+
+class Session:
+    def __init__(self, server: StreamWorldServer, ws: web.WebSocketResponse, session_id: str) -> None:
+        self.server = server
+        self.ws = ws
+        self.id = session_id
+        self.served: ServedModel | None = None
+        self.handle = None
+        self.start: SessionStart | None = None
+        self.outgoing: deque[ChunkOutput] = deque()
+        self.outgoing_ready = asyncio.Event()
+        self.started_at = time.monotonic()
+        self.last_sent: float | None = None
+        self.chunks_sent = 0
+        # (first frame an action conditions, its arrival), for action_to_frame_seconds.
+        self.pending_actions: deque[tuple[int, float]] = deque(maxlen=1024)
+        self.done = asyncio.Event()
+        # None while running; then "stopped", "error" or "cancelled" (client gone).
+        self.end_reason: str | None = None
+        self._counted = False
+
+    # --- helpers ---------------------------------------------------------------------------
+    async def send_json(self, msg: dict) -> None:
+        await self.ws.send_json(msg)
+
+    async def fail_and_close(self, err: ProtocolError, code: int) -> None:
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self.send_json(err.to_message())
+            await self.ws.close(code=code, message=err.message[:120].encode())
+
+    # --- the session -----------------------------------------------------------------------
+    async def run(self) -> None:
+        start = await self._read_start()
+        if start is None:
+            return
+        self.start = start
+        served = self.server.models[start.model]
+        self.served = served
+        cfg = served.model.config
+        image = start.image
+        if cfg.needs_image and image is None:
+            image = served.default_image(start.seed)
+            if image is None:
+                await self.fail_and_close(
+                    ProtocolError("bad_request", f"model {cfg.id} needs an 'image'"), CLOSE_POLICY
+                )
+                return
+        request = StreamRequest(
+            seed=start.seed,
+            num_chunks=start.num_chunks,
+            prompt=start.prompt,
+            image=image,
+            kv_mode=start.kv_mode,
+            priority=start.priority,
+            action_policy=start.action_policy,
+        )
+        if self.server.shutting_down:
+            await self.fail_and_close(
+                ProtocolError("overloaded", "the server is shutting down"), CLOSE_TRY_AGAIN
+            )
+            return
+        try:
+            encoder = make_encoder(start.format, cfg.width, cfg.height, cfg.fps)
+        except ValueError as e:
+            await self.fail_and_close(ProtocolError("unsupported", str(e)), CLOSE_POLICY)
+            return
+        try:
+            self.handle = served.engine.open_stream(request)
+        except Overloaded as e:
+            self.server.metrics.finished.labels(cfg.id, "overloaded").inc()
+            await self.fail_and_close(ProtocolError("overloaded", str(e)), CLOSE_TRY_AGAIN)
+            encoder.close()
+            return
+        except ValueError as e:
+            await self.fail_and_close(ProtocolError("bad_request", str(e)), CLOSE_POLICY)
+            encoder.close()
+            return
+        reader = asyncio.create_task(self._reader(), name=f"session-{self.id}-reader")
+        try:
+            if not await self._wait_admitted():
+                return
+            await self.send_json(self._started_message(encoder))
+            init = encoder.init_segment()
+            if init:
+                await self.ws.send_bytes(init)
+            pump = asyncio.create_task(self._pump(), name=f"session-{self.id}-pump")
+            try:
+                await self._writer(encoder)
+            finally:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self._cancel_stream()
+            encoder.close()
+            self.done.set()
+
+    async def _read_start(self) -> SessionStart | None:
+        try:
+            msg = await self.ws.receive(timeout=self.server.limits.start_timeout_s)
+        except TimeoutError:
+            await self.fail_and_close(
+                ProtocolError("bad_request", "no session.start received in time"), CLOSE_POLICY
+            )
+            return None
+        if msg.type == WSMsgType.BINARY:
+            await self.fail_and_close(
+                ProtocolError("bad_request", "binary messages are not accepted"), CLOSE_UNSUPPORTED_DATA
+            )
+            return None
+        if msg.type != WSMsgType.TEXT:
+            return None  # closed, or an oversize frame (aiohttp closes with 1009)
+        try:
+            parsed = parse_json(msg.data)
+            return parse_session_start(parsed, self.server.model_configs, self.server.default_model)
+        except ProtocolError as e:
+            await self.fail_and_close(e, CLOSE_POLICY)
+            return None
+
+    async def _wait_admitted(self) -> bool:
+        handle = self.handle
+        last_position = None
+        while handle.queue_position:
+            if handle.queue_position != last_position:
+                last_position = handle.queue_position
+                await self.send_json({"type": "session.queued", "position": last_position})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.admitted(), timeout=0.5)
+            if self.ws.closed:
+                return False
+        return handle.stream.status == "running"
+
+    def _started_message(self, encoder) -> dict:
+        cfg = self.served.model.config
+        return {
+            "type": "session.started",
+            "session_id": self.id,
+            "model": cfg.id,
+            "width": cfg.width,
+            "height": cfg.height,
+            "fps": cfg.fps,
+            "format": self.start.format,
+            "codec": encoder.codec,
+            "kv_mode": self.start.kv_mode,
+            "frames_per_chunk": cfg.frames_per_chunk,
+            "first_chunk_frames": cfg.first_chunk_frames,
+            "seed": self.start.seed,
+            "action_dim": cfg.action_dim,
+        }
+
+    async def _reader(self) -> None:
+        """Client messages during the session; a disconnect cancels the stream at once."""
+        cfg = self.served.model.config
+        async for msg in self.ws:
+            if msg.type == WSMsgType.BINARY:
+                await self.fail_and_close(
+                    ProtocolError("bad_request", "binary messages are not accepted"), CLOSE_UNSUPPORTED_DATA
+                )
+                break
+            if msg.type != WSMsgType.TEXT:
+                break
+            try:
+                parsed = parse_json(msg.data)
+                kind = parsed["type"]
+                if kind == "action":
+                    action = parse_action(parsed, cfg.action_dim)
+                    track = self.handle.stream.actions
+                    first = track.known if action.frame is None else action.frame
+                    self.handle.push_actions(action.actions, action.frame)
+                    self.pending_actions.append((first + 1, time.monotonic()))
+                elif kind == "prompt":
+                    self.handle.set_prompt(parse_prompt(parsed, cfg.takes_prompt))
+                elif kind == "ping":
+                    await self.send_json({"type": "pong", "id": parsed.get("id")})
+                elif kind == "session.stop":
+                    self.end_reason = "stopped"
+                    self.handle.stop()
+                elif kind == "session.start":
+                    raise ProtocolError("bad_request", "session.start may be sent only once")
+                else:
+                    raise ProtocolError("bad_request", f"unknown message type {kind!r}")
+            except ProtocolError as e:
+                await self.send_json(e.to_message())
+            except KeyError:
+                pass  # the stream has already ended; late messages are ignored
+        # The client went away (or broke the protocol): cancel everything now.
+        if not self._counted:
+            self.end_reason = "cancelled"
+            self._finish("cancelled")
+        self._cancel_stream()
+        self.outgoing_ready.set()
+
+    async def _pump(self) -> None:
+        """Engine chunks into the outgoing queue; pauses the stream's clock when it backs up."""
+        engine, handle = self.served.engine, self.handle
+        try:
+            async for chunk in handle:
+                self.outgoing.append(chunk)
+                if len(self.outgoing) >= self.server.limits.pause_chunks and handle.stream.live:
+                    engine.set_paused(handle.id, True)
+                self.outgoing_ready.set()
+        except StreamError as e:
+            self.end_reason = "error"
+            log.warning("session %s: %s", self.id, e)
+        finally:
+            self.outgoing.append(None)  # end marker
+            self.outgoing_ready.set()
+
+    async def _writer(self, encoder) -> None:
+        served = self.served
+        model = served.model.config.id
+        metrics = self.server.metrics
+        limits = self.server.limits
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self.outgoing:
+                if self.ws.closed:
+                    return
+                self.outgoing_ready.clear()
+                await self.outgoing_ready.wait()
+            if self.end_reason == "cancelled":
+                return
+            chunk = self.outgoing.popleft()
+            if chunk is None:
+                break
+            if len(self.outgoing) < limits.pause_chunks and self.handle.stream.live:
+                served.engine.set_paused(self.handle.id, False)
+            t0 = time.perf_counter()
+            encoded = await loop.run_in_executor(self.server.encode_pool, encoder.encode, chunk.frames)
+            encode_ms = (time.perf_counter() - t0) * 1000
+            timings = dict(chunk.timings, encode=encode_ms, total=chunk.timings["total"] + encode_ms)
+            meta = {
+                "type": "chunk",
+                "index": chunk.index,
+                "first_frame": chunk.first_frame,
+                "num_frames": int(chunk.frames.shape[0]),
+                "bytes": len(encoded.payload),
+                "timings": {k: round(v, 3) for k, v in timings.items()},
+            }
+            if encoded.sizes is not None:
+                meta["sizes"] = encoded.sizes
+            try:
+                await asyncio.wait_for(self._send_chunk(meta, encoded.payload), limits.slow_client_timeout_s)
+            except TimeoutError:
+                self.end_reason = "error"
+                log.warning("session %s: client too slow, ending it", self.id)
+                self._finish("error")
+                self._cancel_stream()
+                await self.fail_and_close(
+                    ProtocolError(
+                        "overloaded",
+                        f"the client did not read a chunk within "
+                        f"{limits.slow_client_timeout_s:g} s; ending the session",
+                    ),
+                    CLOSE_TRY_AGAIN,
+                )
+                return
+            except (ConnectionError, RuntimeError):
+                return
+            now = time.monotonic()
+            if self.chunks_sent == 0:
+                metrics.ttff.labels(model).observe(now - self.started_at)
+            else:
+                metrics.inter_chunk.labels(model).observe(now - self.last_sent)
+            self.last_sent = now
+            self.chunks_sent += 1
+            metrics.frames.labels(model).inc(meta["num_frames"])
+            if chunk.deadline_missed:
+                metrics.deadline_miss.labels(model).inc()
+            chunk_started = now - (chunk.timings["total"] + chunk.timings["queued"]) / 1000
+            last_frame = chunk.first_frame + meta["num_frames"] - 1
+            while self.pending_actions and self.pending_actions[0][0] <= last_frame:
+                _, arrived = self.pending_actions[0]
+                if arrived > chunk_started:
+                    break  # arrived after this chunk started: a later chunk shows it
+                self.pending_actions.popleft()
+                metrics.action_to_frame.labels(model).observe(now - arrived)
+        if self.end_reason == "cancelled":
+            return
+        reason = self.end_reason or "completed"
+        self._finish(reason)
+        if reason == "error":
+            err = (self.handle.stream.error or "internal error").splitlines()[0]
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.send_json(ProtocolError("internal", err).to_message())
+                await self.send_json({"type": "session.done", "reason": "error", "chunks": self.chunks_sent})
+                await self.ws.close(code=CLOSE_INTERNAL, message=b"internal error")
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self.send_json({"type": "session.done", "reason": reason, "chunks": self.chunks_sent})
+            await self.ws.close(code=WSCloseCode.OK)
+
+    async def _send_chunk(self, meta: dict, payload: bytes) -> None:
+        await self.ws.send_json(meta)
+        await self.ws.send_bytes(payload)
+
+    def _finish(self, reason: str) -> None:
+        """Counts the session's end once, whatever path ends it."""
+        if not self._counted:
+            self._counted = True
+            self.server.metrics.finished.labels(self.served.model.config.id, reason).inc()
+
+    def _cancel_stream(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+
+    def shutdown(self) -> None:
+        """Server shutdown: drop the work in flight, then session.done (stopped) and close."""
+        if self.handle is not None and self.end_reason is None:
+            self.end_reason = "stopped"
+            self.handle.cancel()

@@ -313,3 +313,109 @@ async def test_prompt_switch_applies_from_the_next_chunk_not_yet_started():
         GenerationRequest(seed=4, num_chunks=3, prompt="old", actions=actions)
     )
     assert (expected.latents[:, 2 * f :] - unchanged.latents[:, 2 * f :]).abs().max() > 1e-4
+
+
+async def test_cancel_during_a_shared_decode_leaves_the_other_streams_intact(tiny_model):
+    async with AsyncEngine(tiny_model, engine_config()) as engine:
+        launch, cancelled = engine._launch_decode, []
+
+        def launch_then_cancel():
+            idle = not engine.decoder.busy
+            launch()
+            decoding = [
+                s
+                for s in engine.streams.values()
+                if any(c.decoding and not c.decoded for c in s.chunks.values())
+            ]
+            if idle and engine.decoder.busy and len(decoding) >= 2 and not cancelled:
+                cancelled.append(decoding[-1].id)
+                engine.cancel(decoding[-1].id)  # a disconnect handled right after the launch
+
+        engine._launch_decode = launch_then_cancel
+        handles = [engine.open_stream(StreamRequest(seed=s, num_chunks=3)) for s in range(3)]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        assert cancelled
+        assert engine.pool.pages_used == 0
+    for h, out in zip(handles, results, strict=True):
+        if h.id not in cancelled:
+            assert_matches(out, reference(tiny_model, h.stream.request.seed, 3))
+
+
+async def test_a_failing_decode_ends_only_its_own_stream(tiny_model, monkeypatch):
+    vae = tiny_model.vae
+    victim_states = []
+    batched, single = vae.decode_chunks, vae.decode_chunk
+
+    def decode_chunks(latents, states):
+        if any(s is v for s in states for v in victim_states) and len(states) > 1:
+            raise RuntimeError("batched decode failed")
+        return batched(latents, states)
+
+    def decode_chunk(latents, state):
+        if any(state is v for v in victim_states):
+            raise RuntimeError("injected decode failure")
+        return single(latents, state)
+
+    monkeypatch.setattr(vae, "decode_chunks", decode_chunks)
+    monkeypatch.setattr(vae, "decode_chunk", decode_chunk)
+    async with AsyncEngine(tiny_model, engine_config()) as engine:
+        handles = [engine.open_stream(StreamRequest(seed=s, num_chunks=2)) for s in (0, 1, 2)]
+        victim_states.append(handles[1].stream.decoder)
+        tasks = [asyncio.create_task(collect(h)) for h in handles]
+        with pytest.raises(StreamError, match="injected decode failure"):
+            await tasks[1]
+        healthy = [await tasks[0], await tasks[2]]
+        assert engine.pool.pages_used == 0
+    for seed, out in zip((0, 2), healthy, strict=True):
+        assert_matches(out, reference(tiny_model, seed, 2))
+
+
+async def test_stop_finishes_the_begun_chunks_and_ends_the_stream(tiny_model):
+    async with AsyncEngine(tiny_model, engine_config()) as engine:
+        handle = engine.open_stream(StreamRequest(seed=6, num_chunks=None, kv_mode="noisy"))
+        outputs = []
+        async for out in handle:
+            outputs.append(out)
+            if out.index == 0:
+                handle.stop()
+        assert handle.stream.status == "completed"
+        assert engine.stats.finished["stopped"] == 1
+        assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
+    # Chunks already begun when stop() came (at most the S + 1 a stream holds) were delivered.
+    assert 1 <= len(outputs) <= 1 + tiny_model.schedule.num_steps + 1
+    assert_matches(outputs, reference(tiny_model, 6, len(outputs), "", "noisy"))
+
+
+async def test_the_admission_queue_is_bounded_and_closed_engines_refuse(tiny_model):
+    probe = AsyncEngine(tiny_model, engine_config())
+    noisy_need = probe._pages_for("noisy")
+    engine = AsyncEngine(tiny_model, engine_config(kv_pages=noisy_need, max_queue=2))
+    await engine.start()
+    first = engine.open_stream(StreamRequest(seed=0, num_chunks=1, kv_mode="noisy"))
+    queued = [engine.open_stream(StreamRequest(seed=s, num_chunks=1, kv_mode="final")) for s in (1, 2)]
+    assert [h.queue_position for h in queued] == [1, 2]
+    with pytest.raises(Overloaded):  # fits the pool by itself, but the queue is full
+        engine.open_stream(StreamRequest(seed=3, num_chunks=1, kv_mode="final"))
+    await asyncio.gather(*(collect(h) for h in [first, *queued]))
+    await engine.close()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.open_stream(StreamRequest(seed=4, num_chunks=1))
+    assert engine.pool.reserved == 0
+
+
+def test_action_track_holds_overwrites_and_forgets():
+    from streamworld.engine.stream import ActionTrack
+
+    track = ActionTrack(1)
+    track.push(np.array([[1.0], [2.0], [3.0]]))
+    track.push(np.array([[9.0]]), frame=1)  # replaces frame 1 and what was queued after it
+    assert track.hold(0, 4).ravel().tolist() == [1, 9, 9, 9]
+    track.push(np.array([[5.0]]), frame=6)  # frames 2..5 hold the last action
+    assert track.hold(0, 8).ravel().tolist() == [1, 9, 9, 9, 9, 9, 5, 5]
+    track.forget_before(5)
+    assert track.base == 5
+    assert track.hold(5, 9).ravel().tolist() == [9, 5, 5, 5]
+    track.forget_before(100)
+    assert track.hold(7, 9).ravel().tolist() == [5, 5]
+    with pytest.raises(ValueError):
+        track.hold(0, 2)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
 import math
 import time
 import traceback
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..models.actions import gather_latent_actions
+from ..models.actions import gather_latent_actions, latent_action_window
 from ..models.causal_wan import ChunkInput, StageActivation
 from ..models.kv import commit_kv_access, num_kv_versions, prefill_kv_access, step_kv_access
 from ..models.vae import image_from_uint8, to_uint8
@@ -49,6 +51,8 @@ from .stream import (
     chunk_duration_s,
 )
 from .units import COMMIT, PREFILL, PREFILL_CHUNK, WorkUnit, chunk_phases, context_dependency, unit_index
+
+log = logging.getLogger("streamworld.engine")
 
 
 class Overloaded(RuntimeError):
@@ -95,7 +99,7 @@ class EngineStats:
     chunks_delivered: int = 0
     deadline_misses: int = 0
     finished: Counter = field(default_factory=Counter)  # reason -> streams
-    ttff_s: list[float] = field(default_factory=list)
+    ttff_s: deque = field(default_factory=lambda: deque(maxlen=1024))
 
 
 @dataclass
@@ -220,9 +224,9 @@ class AsyncEngine:
 
     async def close(self) -> None:
         """Cancels every stream and stops the executors."""
-        for sid in list(self.streams):
+        self._closed = True  # from here on nothing is admitted
+        for sid in list(self.waiting) + list(self.streams):
             self.cancel(sid)
-        self._closed = True
         if self._task is not None:
             self._poke()
             with contextlib.suppress(asyncio.CancelledError):
@@ -240,9 +244,10 @@ class AsyncEngine:
     # --- public API ---------------------------------------------------------------------
     def open_stream(self, request: StreamRequest) -> StreamHandle:
         """Validates and admits a stream, or queues it; raises Overloaded if the queue is full."""
-        if self._task is None:
-            raise RuntimeError("call `await engine.start()` first")
+        if self._task is None or self._closed:
+            raise RuntimeError("the engine is not running: call `await engine.start()` first")
         cfg = self.model.config
+        request = dataclasses.replace(request)  # ours: stop() changes num_chunks
         gen_view = _as_generation_request(request)
         kv_mode = validate_request(self.model, gen_view)
         if request.priority not in PRIORITY_CLASSES:
@@ -254,7 +259,8 @@ class AsyncEngine:
             raise Overloaded(
                 f"a {kv_mode} stream needs {need} pages per stage; the pool has {self.pool.pages_per_stage}"
             )
-        if not self.pool.can_reserve(need) and len(self.waiting) >= self.config.max_queue:
+        must_wait = bool(self.waiting) or not self.pool.can_reserve(need)
+        if must_wait and len(self.waiting) >= self.config.max_queue:
             raise Overloaded("the server is at capacity and its admission queue is full")
         now = time.monotonic()
         stream = Stream(
@@ -316,6 +322,8 @@ class AsyncEngine:
         slowly; deadlines move by the time spent paused.
         """
         stream = self._get(stream_id)
+        if not stream.live:
+            return
         now = time.monotonic()
         if paused and stream.paused_since is None:
             stream.paused_since = now
@@ -330,7 +338,14 @@ class AsyncEngine:
         if stream.status == "waiting":
             self.cancel(stream_id, reason="stopped")
             return
-        stream.request.num_chunks = stream.next_chunk
+        # Chunks that have not run a unit yet are dropped; those begun finish. (A chunk starts
+        # only after its predecessor has begun, so the begun chunks are a prefix.)
+        begun = [c for c, ch in stream.chunks.items() if c >= 0 and (ch.progress > 0 or ch.in_flight)]
+        keep = max(begun) + 1 if begun else stream.delivered
+        for c in [c for c in stream.chunks if c >= keep]:
+            del stream.chunks[c]
+        stream.next_chunk = min(stream.next_chunk, keep)
+        stream.request.num_chunks = keep
         stream.stopping = True
         self._maybe_complete(stream)
         self._poke()
@@ -377,7 +392,7 @@ class AsyncEngine:
         self._handles[stream.id]._admitted.set()
 
     def _admit_waiting(self) -> None:
-        while self.waiting:
+        while self.waiting and not self._closed:
             stream = self.streams[self.waiting[0]]
             if not self.pool.can_reserve(self._pages_for(stream.kv_mode)):
                 return
@@ -385,18 +400,25 @@ class AsyncEngine:
             self._admit(stream)
 
     def _encode_prompt(self, stream: Stream) -> None:
-        prompt = stream.prompt
+        """Encodes the stream's current prompt; at most one encoding per stream in flight."""
         stream.text = None
+        if stream.prompt_encoding:
+            return  # the callback below picks up the newest prompt
+        stream.prompt_encoding = True
+        prompt = stream.prompt
         fut = self.prep.submit(lambda: self.model.text_context(prompt))
 
         def done(f: asyncio.Future) -> None:
             self.prep.done()
+            stream.prompt_encoding = False
             if not stream.live:
                 return
             if f.exception() is not None:
                 self._end(stream, "error", "error", f"prompt encoding failed: {f.exception()}")
             elif stream.prompt == prompt:
                 stream.text = f.result()
+            else:
+                self._encode_prompt(stream)
             self._poke()
 
         fut.add_done_callback(done)
@@ -433,11 +455,17 @@ class AsyncEngine:
         while not self._closed:
             self._wake.clear()
             now = time.monotonic()
-            next_time = self._start_chunks(now)
-            for rank, ex in enumerate(self.ranks):
-                if not ex.busy:
-                    self._launch(rank, self.scheduler.next_batch(self._ready_units(rank)))
-            self._launch_decode()
+            next_time = None
+            try:
+                next_time = self._start_chunks(now)
+                for rank, ex in enumerate(self.ranks):
+                    if not ex.busy:
+                        self._launch(rank, self.scheduler.next_batch(self._ready_units(rank)))
+                self._launch_decode()
+            except Exception:  # a bug or an allocation failure: fail loudly, keep serving
+                log.exception("engine loop failed; ending the live streams")
+                for stream in [s for s in self.streams.values() if s.live]:
+                    self._end(stream, "error", "error", "internal engine error (see the server log)")
             timeout = None if next_time is None else max(0.0, next_time - time.monotonic())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -456,9 +484,9 @@ class AsyncEngine:
                 chunk = ChunkState(PREFILL_CHUNK, 0, 1, [PREFILL], stream.text, eligible_at=now)
                 chunk.x0 = latent
                 chunk.denoised = True
-                if cfg.action_dim:
+                if cfg.action_dim:  # latent frame 0 is conditioned by no action
                     chunk.latent_actions = gather_latent_actions(
-                        torch.from_numpy(stream.actions.hold(1)), 0, 1, cfg.temporal_ratio
+                        torch.zeros(0, cfg.action_dim), 0, 1, cfg.temporal_ratio
                     )
                 stream.chunks[PREFILL_CHUNK] = chunk
                 stream.prefill_pending = False
@@ -487,8 +515,10 @@ class AsyncEngine:
                     break
                 latent_actions = None
                 if cfg.action_dim:
-                    track = torch.from_numpy(stream.actions.hold(needed))
-                    latent_actions = gather_latent_actions(track, first, f, cfg.temporal_ratio)
+                    start = latent_action_window(first, cfg.temporal_ratio)[0]
+                    window = torch.from_numpy(stream.actions.hold(start, needed))
+                    latent_actions = gather_latent_actions(window, first, f, cfg.temporal_ratio, offset=start)
+                    stream.actions.forget_before(latent_action_window(first + f, cfg.temporal_ratio)[0])
                 stream.chunks[c] = ChunkState(
                     c, first, f, phases, stream.text, latent_actions, eligible_at=now
                 )
@@ -716,15 +746,29 @@ class AsyncEngine:
         for _, chunk in picked:
             chunk.decoding = True
         vae, dtype = self.model.vae, self.model.dtype
-        latents = [chunk.x0.unsqueeze(0).to(dtype) for _, chunk in picked]
+        x0s = [chunk.x0 for _, chunk in picked]
         states = [stream.decoder for stream, _ in picked]
 
-        def decode() -> tuple[list[np.ndarray], list[torch.Tensor], float]:
+        def decode() -> tuple[list[tuple[np.ndarray, torch.Tensor] | BaseException], float]:
             start = time.perf_counter()
-            videos = vae.decode_chunks(latents, states)
-            frames = [to_uint8(v)[0] for v in videos]
-            cpu_latents = [chunk.x0.float().cpu() for _, chunk in picked]
-            return frames, cpu_latents, time.perf_counter() - start
+            latents = [x.unsqueeze(0).to(dtype) for x in x0s]
+            try:
+                videos: list = vae.decode_chunks(latents, states)
+            except Exception:
+                if len(latents) == 1:
+                    raise
+                # One bad stream must not end the others: decode each alone.
+                videos = []
+                for x, state in zip(latents, states, strict=True):
+                    try:
+                        videos.append(vae.decode_chunk(x, state))
+                    except Exception as e:
+                        videos.append(e)
+            out = [
+                v if isinstance(v, BaseException) else (to_uint8(v)[0], x.float().cpu())
+                for v, x in zip(videos, x0s, strict=True)
+            ]
+            return out, time.perf_counter() - start
 
         fut = self.decoder.submit(decode)
         fut.add_done_callback(lambda f: self._on_decoded(picked, f))
@@ -739,11 +783,15 @@ class AsyncEngine:
                         stream, "error", "error", f"decoding chunk {chunk.index} failed: {fut.exception()}"
                     )
             return
-        frames, latents, decode_s = fut.result()
+        results, decode_s = fut.result()
         now = time.monotonic()
-        for (stream, chunk), f, lat in zip(picked, frames, latents, strict=True):
+        for (stream, chunk), res in zip(picked, results, strict=True):
             if not stream.live:
                 continue
+            if isinstance(res, BaseException):
+                self._end(stream, "error", "error", f"decoding chunk {chunk.index} failed: {res}")
+                continue
+            f, lat = res
             chunk.decoded = True
             chunk.decode_s = decode_s
             stream.next_decode += 1
@@ -798,8 +846,9 @@ class AsyncEngine:
                 self.waiting.remove(stream.id)
         if stream.page_table is not None:
             stream.page_table.release()
-        if stream.decoder is not None:
-            stream.decoder.reset()
+        # A decode batch in flight may still hold the state: drop the reference rather than
+        # resetting it under the decode thread (it is freed when that decode returns).
+        stream.decoder = None
         stream.chunks.clear()
         stream.output.put_nowait(None)
         self._handles[stream.id]._admitted.set()

@@ -58,10 +58,11 @@ class KVPagePool:
         self.stages = stages
         self.pages_per_stage = pages_per_stage
         shape = (tokens_per_frame, heads, head_dim)
+        # Uninitialised: every page is written before it is read.
         self.keys = [
-            torch.zeros(pages_per_stage, s.num_blocks, *shape, dtype=dtype, device=device) for s in stages
+            torch.empty(pages_per_stage, s.num_blocks, *shape, dtype=dtype, device=device) for s in stages
         ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.empty_like(k) for k in self.keys]
         self._free = [list(range(pages_per_stage - 1, -1, -1)) for _ in stages]
         self.reserved = 0  # pages per stage promised to admitted streams
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,32 +30,53 @@ class StreamRequest:
 
 
 class ActionTrack:
-    """Per-video-frame actions as they arrive; `hold` fills gaps with the last action."""
+    """Per-video-frame actions as they arrive, kept only as far back as chunks still need.
+
+    `push` without a frame appends after the last known action; with a frame, the vectors
+    apply from that frame on and replace whatever was queued from there. `hold` fills frames
+    past the known ones with the last action (zeros before any).
+    """
 
     def __init__(self, action_dim: int) -> None:
         self.action_dim = action_dim
+        self.base = 0  # video frame of frames[0]; earlier frames are forgotten
         self.frames = np.zeros((0, action_dim), dtype=np.float32)
+        self.last = np.zeros(action_dim, dtype=np.float32)  # last action before `base`
 
     @property
     def known(self) -> int:
-        return len(self.frames)
+        return self.base + len(self.frames)
 
     def push(self, actions: np.ndarray, frame: int | None = None) -> None:
         actions = np.asarray(actions, dtype=np.float32).reshape(-1, self.action_dim)
         start = self.known if frame is None else frame
-        if start > self.known:
-            # Frames skipped over hold the last known action.
-            self.frames = self.hold(start)
-        self.frames = np.concatenate([self.frames[:start], actions])
+        if start < self.base:  # actions for frames already generated: only the rest matter
+            actions, start = actions[self.base - start :], self.base
+        if start > self.known:  # frames skipped over hold the last known action
+            self.frames = self.hold(self.base, start)
+        self.frames = np.concatenate([self.frames[: start - self.base], actions])
 
-    def hold(self, num_frames: int) -> np.ndarray:
-        """The first `num_frames` actions, extended with the last one (zeros before any)."""
-        out = np.zeros((num_frames, self.action_dim), dtype=np.float32)
-        n = min(self.known, num_frames)
-        out[:n] = self.frames[:n]
-        if 0 < n < num_frames:
-            out[n:] = self.frames[n - 1]
+    def hold(self, start: int, stop: int) -> np.ndarray:
+        """Actions of video frames [start, stop), `start >= base`, extended with the last one."""
+        if start < self.base:
+            raise ValueError(f"actions before frame {self.base} are forgotten")
+        out = np.empty((stop - start, self.action_dim), dtype=np.float32)
+        have = self.frames[start - self.base : stop - self.base]
+        out[: len(have)] = have
+        if len(have) < len(out):
+            if len(self.frames):
+                out[len(have) :] = self.frames[-1]
+            else:
+                out[len(have) :] = self.last
         return out
+
+    def forget_before(self, frame: int) -> None:
+        """Drops the actions of frames before `frame` (no chunk will need them)."""
+        drop = min(max(frame - self.base, 0), len(self.frames))
+        if drop:
+            self.last = self.frames[drop - 1].copy()
+            self.frames = self.frames[drop:]
+            self.base += drop
 
 
 def actions_needed(first_latent_frame: int, num_latent_frames: int, temporal_ratio: int) -> int:
@@ -130,6 +152,7 @@ class Stream:
     prefill_pending: bool = False
     image_latent: Any = None  # [C, 1, h, w] once the first image is encoded
     stopping: bool = False  # `stop` asked: finish the started chunks, then end
+    prompt_encoding: bool = False  # an encoding of some prompt is in flight
     est_latency: float | None = None  # EMA of this stream's chunk latency (first unit -> frames)
     paused_s: float = 0.0  # total time the playback clock was paused (backpressure)
     paused_since: float | None = None
@@ -156,7 +179,10 @@ class Stream:
     def deadline(self, chunk: int) -> float:
         """When chunk `chunk` must be ready to keep playback going (playback clock)."""
         base = self.started_at if self.started_at is not None else self.created_at
-        return base + self.paused_s + self.ttff_budget + chunk * self.chunk_duration
+        paused = self.paused_s
+        if self.paused_since is not None:
+            paused += time.monotonic() - self.paused_since
+        return base + paused + self.ttff_budget + chunk * self.chunk_duration
 
     def wants_more(self) -> bool:
         n = self.request.num_chunks

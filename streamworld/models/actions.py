@@ -26,11 +26,16 @@ def latent_action_window(latent_frame: int, temporal_ratio: int) -> tuple[int, i
 
 
 def gather_latent_actions(
-    actions: torch.Tensor, first_latent_frame: int, num_latent_frames: int, temporal_ratio: int
+    actions: torch.Tensor,
+    first_latent_frame: int,
+    num_latent_frames: int,
+    temporal_ratio: int,
+    offset: int = 0,
 ) -> torch.Tensor:
     """Per-latent-frame action features [F, r * action_dim] from per-video-frame actions.
 
-    `actions` is [N, action_dim] indexed by video frame; it must cover every frame needed.
+    `actions` is [N, action_dim]; row i is the action of video frame `offset + i`. It must
+    cover every frame needed.
     """
     action_dim = actions.shape[-1]
     rows = []
@@ -39,9 +44,12 @@ def gather_latent_actions(
         if start == stop:
             rows.append(actions.new_zeros(temporal_ratio * action_dim))
             continue
-        if stop > actions.shape[0]:
-            raise ValueError(f"actions cover {actions.shape[0]} video frames; latent frame {j} needs {stop}")
-        rows.append(actions[start:stop].reshape(-1))
+        if start < offset or stop > offset + actions.shape[0]:
+            raise ValueError(
+                f"actions cover video frames {offset}..{offset + actions.shape[0] - 1}; "
+                f"latent frame {j} needs {start}..{stop - 1}"
+            )
+        rows.append(actions[start - offset : stop - offset].reshape(-1))
     return torch.stack(rows)
 
 

@@ -87,6 +87,10 @@ class Metrics:
             "streamworld_sessions_finished", "Sessions ended, by reason", ["model", "reason"], registry=r
         )
         r.register(EngineCollector(engines))
+        per_model = (self.ttff, self.inter_chunk, self.action_to_frame, self.deadline_miss, self.frames)
+        for model in engines:  # every series exists from the start, at zero
+            for metric in per_model:
+                metric.labels(model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

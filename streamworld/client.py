@@ -1,0 +1,761 @@
+"""Python client for the StreamWorld WebSocket protocol (version 1, see `docs/protocol.md`).
+
+One `StreamWorldClient` is one stream: entering it connects, sends `session.start` and waits
+for `session.started` (through any `session.queued` messages); `chunks()` then yields the
+generated video chunk by chunk, decoded to uint8 frames [T, H, W, 3] whatever the wire format
+(`rgb`, `jpeg`, `h264` or `fmp4`), until `session.done`.
+
+```python
+async with StreamWorldClient("ws://127.0.0.1:8000/v1/stream", model="pusht", format="rgb", num_chunks=3) as c:
+    async for chunk in c.chunks():
+        print(chunk.index, chunk.frames.shape)
+```
+
+Actions, prompt switches, `session.stop` and pings may be sent from any task while another
+iterates `chunks()`. One background task reads the socket, so pongs and errors are seen at
+once even while chunks wait to be consumed (received chunks are buffered until then).
+
+`generate(url, **options)` runs a whole finite session and returns all its frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import inspect
+import io
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import av
+import numpy as np
+from PIL import Image
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+__all__ = [
+    "FORMATS",
+    "Chunk",
+    "SessionInfo",
+    "StreamWorldClient",
+    "StreamWorldError",
+    "encode_image",
+    "generate",
+]
+
+FORMATS = ("jpeg", "h264", "fmp4", "rgb")
+DEFAULT_MAX_SIZE = 64 * 2**20  # an rgb chunk of 832x480 frames is about 1.2 MiB per frame
+_MAX_REPLAY_FRAMES = 256  # see _VideoDecoder
+
+
+class StreamWorldError(Exception):
+    """An `error` from the server, or a session that ended badly.
+
+    `code` is the server's error code (`bad_request`, `unsupported`, `overloaded`, `internal`)
+    or one of the client's own: `connection_closed` (the connection ended without
+    `session.done`) and `protocol` (the server broke the protocol, or a payload did not decode).
+    `close_code` is the WebSocket close code when the error ended the connection.
+    """
+
+    def __init__(self, code: str, message: str, close_code: int | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.close_code = close_code
+
+    def __repr__(self) -> str:
+        close = "" if self.close_code is None else f", close_code={self.close_code}"
+        return f"StreamWorldError({self.code!r}, {self.message!r}{close})"
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """The server's `session.started` message."""
+
+    session_id: str
+    model: str
+    width: int
+    height: int
+    fps: float
+    format: str
+    codec: str | None  # RFC 6381, for h264/fmp4
+    kv_mode: str
+    frames_per_chunk: int
+    first_chunk_frames: int
+    raw: dict[str, Any] = field(repr=False, compare=False)
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> SessionInfo:
+        try:
+            return cls(
+                session_id=str(message["session_id"]),
+                model=str(message["model"]),
+                width=int(message["width"]),
+                height=int(message["height"]),
+                fps=float(message["fps"]),
+                format=str(message["format"]),
+                codec=message.get("codec"),
+                kv_mode=str(message["kv_mode"]),
+                frames_per_chunk=int(message["frames_per_chunk"]),
+                first_chunk_frames=int(message["first_chunk_frames"]),
+                raw=message,
+            )
+        except KeyError as e:
+            raise StreamWorldError("protocol", f"session.started lacks the field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise StreamWorldError(
+                "protocol", f"session.started has a field of the wrong type: {e}"
+            ) from None
+
+
+@dataclass
+class Chunk:
+    """One generated chunk: its `chunk` metadata and its payload, decoded unless `decode=False`."""
+
+    index: int
+    first_frame: int  # video frame index of frames[0] in the stream
+    num_frames: int
+    frames: np.ndarray | None  # uint8 [num_frames, height, width, 3]; None with decode=False
+    timings: dict[str, float]  # milliseconds, as the server measured them
+    raw: dict[str, Any]  # the `chunk` message
+    received_at: float  # time.monotonic() when the payload arrived
+    nbytes: int  # payload size on the wire
+
+    def __repr__(self) -> str:
+        frames = "None" if self.frames is None else f"uint8{list(self.frames.shape)}"
+        total = self.timings.get("total")
+        total_ms = "" if total is None else f", total_ms={total:.1f}"
+        return (
+            f"Chunk(index={self.index}, first_frame={self.first_frame}, num_frames={self.num_frames}, "
+            f"frames={frames}, nbytes={self.nbytes}{total_ms})"
+        )
+
+
+def encode_image(image: np.ndarray | bytes) -> str:
+    """The `image` field of `session.start`: uint8 [H, W, 3] as base64 PNG, or PNG/JPEG bytes as base64."""
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+            raise ValueError(f"expected a uint8 image [H, W, 3], got {image.dtype} {image.shape}")
+        buffer = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(image)).save(buffer, format="PNG")
+        data = buffer.getvalue()
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+        if not (data.startswith(b"\x89PNG\r\n\x1a\n") or data.startswith(b"\xff\xd8\xff")):
+            raise ValueError("image bytes must be a PNG or JPEG file")
+    else:
+        raise TypeError(f"image must be a numpy array or PNG/JPEG bytes, not {type(image).__name__}")
+    return base64.b64encode(data).decode("ascii")
+
+
+# Decoding. Each decoder turns one chunk payload into uint8 frames [T, H, W, 3]; the video
+# decoders keep state across chunks because only the first chunk of a stream starts with a
+# keyframe.
+
+
+def _split(payload: bytes, sizes: Sequence[int]) -> list[bytes]:
+    offsets = np.cumsum([0, *sizes])
+    return [payload[a:b] for a, b in itertools.pairwise(offsets.tolist())]
+
+
+class _RgbDecoder:
+    def __init__(self, info: SessionInfo) -> None:
+        self.shape = (info.height, info.width, 3)
+
+    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
+        frames = np.frombuffer(payload, dtype=np.uint8).reshape(int(meta["num_frames"]), *self.shape)
+        return frames.copy()  # writable, and free of the message buffer
+
+
+class _JpegDecoder:
+    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
+        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in _split(payload, meta["sizes"])]
+        return np.stack([np.asarray(image) for image in images])
+
+
+def _open_video_decoder(codec: str, extradata: bytes | None) -> av.CodecContext:
+    decoder = av.CodecContext.create(codec, "r")
+    if extradata:
+        decoder.extradata = extradata
+    # Frame threading delays output by a frame per thread; slice threading does not.
+    decoder.thread_type = "SLICE"
+    return decoder
+
+
+class _VideoDecoder:
+    """A persistent decoder fed one coded frame (access unit or MP4 sample) per video frame.
+
+    Without B-frames the decoder outputs every frame as soon as it is fed, so a chunk's
+    frames come out with its payload. Should a decoder still hold frames back, flushing it
+    would end its stream (FFmpeg takes no input after a flush), so the missing frames are
+    decoded again by a throwaway decoder that starts from the last keyframe and is flushed;
+    the persistent decoder's late copies of them are dropped when they come out.
+    """
+
+    def __init__(self, codec: str, extradata: bytes | None = None) -> None:
+        self.codec = codec
+        self.extradata = extradata
+        self._decoder = _open_video_decoder(codec, extradata)
+        self._fed = 0  # coded frames fed so far = video frame index of the next one
+        self._output = 0  # frames the persistent decoder has output so far
+        # Coded frames from the last keyframe on (None once that is too long to decode again).
+        self._gop: list[bytes] | None = []
+        self._gop_start = 0  # video frame index of self._gop[0]
+
+    def decode(self, units: Sequence[bytes], keyframes: Sequence[bool]) -> list[np.ndarray]:
+        first = self._fed  # the chunk's frames are [first, first + len(units))
+        previous_gop = None if self._gop is None else [*self._gop, *units]
+        previous_start = self._gop_start
+        frames: list[np.ndarray] = []
+        for unit, keyframe in zip(units, keyframes, strict=True):
+            if keyframe:
+                self._gop, self._gop_start = [], self._fed
+            if self._gop is not None:
+                self._gop.append(unit)
+                if len(self._gop) > _MAX_REPLAY_FRAMES:
+                    self._gop = None
+            self._fed += 1
+            for frame in self._decoder.decode(av.Packet(unit)):
+                if self._output >= first:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                self._output += 1
+        missing = len(units) - len(frames)
+        if missing > 0:
+            if self._gop is not None and self._gop_start <= self._fed - missing:
+                replay, start = self._gop, self._gop_start
+            elif previous_gop is not None:
+                replay, start = previous_gop, previous_start
+            else:
+                raise ValueError(f"the decoder held back {missing} frames and no keyframe is recent enough")
+            decoder = _open_video_decoder(self.codec, self.extradata)
+            decoded = [frame for unit in replay for frame in decoder.decode(av.Packet(unit))]
+            decoded += decoder.decode(None)
+            stop = self._fed - start
+            frames += [frame.to_ndarray(format="rgb24") for frame in decoded[stop - missing : stop]]
+        return frames
+
+
+def _is_idr(access_unit: bytes) -> bool:
+    """Whether an Annex-B H.264 access unit holds an IDR slice (NAL unit type 5)."""
+    start = access_unit.find(b"\x00\x00\x01")
+    while start != -1 and start + 3 < len(access_unit):
+        if access_unit[start + 3] & 0x1F == 5:
+            return True
+        start = access_unit.find(b"\x00\x00\x01", start + 3)
+    return False
+
+
+class _H264Decoder:
+    def __init__(self) -> None:
+        self._video = _VideoDecoder("h264")
+
+    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
+        units = _split(payload, meta["sizes"])
+        return np.stack(self._video.decode(units, [_is_idr(unit) for unit in units]))
+
+
+class _Fmp4Decoder:
+    """Demuxes each fragment behind the initialization segment; decodes with one persistent decoder."""
+
+    def __init__(self, init_segment: bytes) -> None:
+        self._init = init_segment
+        with av.open(io.BytesIO(init_segment), format="mp4") as container:
+            context = container.streams.video[0].codec_context
+            self._video = _VideoDecoder(context.name, context.extradata)
+
+    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
+        with av.open(io.BytesIO(self._init + payload), format="mp4") as container:
+            packets = [packet for packet in container.demux(video=0) if packet.size]
+            units = [bytes(packet) for packet in packets]
+            keyframes = [packet.is_keyframe for packet in packets]
+        return np.stack(self._video.decode(units, keyframes))
+
+
+_Decoder = _RgbDecoder | _JpegDecoder | _H264Decoder | _Fmp4Decoder
+
+
+def _make_decoder(info: SessionInfo, init_segment: bytes | None) -> _Decoder:
+    if info.format == "rgb":
+        return _RgbDecoder(info)
+    if info.format == "jpeg":
+        return _JpegDecoder()
+    if info.format == "h264":
+        return _H264Decoder()
+    if info.format == "fmp4":
+        assert init_segment is not None
+        return _Fmp4Decoder(init_segment)
+    raise StreamWorldError(
+        "unsupported", f"the client cannot decode format {info.format!r}; use decode=False"
+    )
+
+
+# The client.
+
+
+@dataclass
+class _Payload:
+    meta: dict[str, Any]
+    data: bytes
+    received_at: float
+
+
+@dataclass
+class _EndOfStream:
+    error: StreamWorldError | None
+
+
+def _json(message: dict[str, Any]) -> str:
+    return json.dumps(message, allow_nan=False, separators=(",", ":"))
+
+
+def _pong_key(ping_id: Any) -> str:
+    return json.dumps(ping_id, sort_keys=True)
+
+
+class StreamWorldClient:
+    """One stream (session) on a StreamWorld server; use as `async with`, or `start()` + `close()`.
+
+    The session options are the fields of `session.start`; those left as None are not sent,
+    so the server's defaults apply. `start_fields` are merged into `session.start` last (for
+    protocol extensions). `decode=False` skips decoding (`Chunk.frames` is None), for load tests.
+    `on_queued(position)` (a function or coroutine function) is called for each `session.queued`.
+
+    After the start: `info` (SessionInfo), `queue_position` (the last one announced, if the
+    session had to wait), `init_segment` (fmp4), `errors` (every `error` received during the
+    session, fatal or not), and after `session.done`: `done_reason` and `chunks_done`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        prompt: str | None = None,
+        image: np.ndarray | bytes | None = None,
+        seed: int | None = None,
+        num_chunks: int | None = None,
+        format: str = "jpeg",
+        priority: str | None = None,
+        action_policy: str | None = None,
+        kv_mode: str | None = None,
+        start_fields: Mapping[str, Any] | None = None,
+        decode: bool = True,
+        on_queued: Callable[[int], Any] | None = None,
+        max_size: int | None = DEFAULT_MAX_SIZE,
+        open_timeout: float | None = 10.0,
+        start_timeout: float | None = None,
+    ) -> None:
+        self.url = url
+        self.format = format
+        self.decode = decode
+        self.on_queued = on_queued
+        self.max_size = max_size
+        self.open_timeout = open_timeout
+        self.start_timeout = start_timeout
+        options = {
+            "model": model,
+            "prompt": prompt,
+            "image": None if image is None else encode_image(image),
+            "seed": seed,
+            "num_chunks": num_chunks,
+            "format": format,
+            "priority": priority,
+            "action_policy": action_policy,
+            "kv_mode": kv_mode,
+        }
+        self.start_message: dict[str, Any] = {
+            "type": "session.start",
+            **{key: value for key, value in options.items() if value is not None},
+            **(start_fields or {}),
+        }
+
+        self.info: SessionInfo | None = None
+        self.queue_position: int | None = None
+        self.init_segment: bytes | None = None
+        self.errors: list[StreamWorldError] = []
+        self.done_reason: str | None = None
+        self.chunks_done: int | None = None
+        self.chunks_received = 0
+
+        self._state = "new"
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._incoming: asyncio.Queue[_Payload | _EndOfStream] = asyncio.Queue()
+        self._ended = False  # an _EndOfStream is queued
+        self._closing = False  # close() was called: the end of the connection is no error
+        self._pongs: dict[str, list[asyncio.Future[None]]] = {}
+        self._ping_ids = itertools.count()
+        self._decoder: _Decoder | None = None
+        self._consume = asyncio.Lock()  # chunks are decoded one at a time, in order
+
+    def __repr__(self) -> str:
+        model = self.start_message.get("model")
+        details = [f"{self.url!r}", f"model={model!r}", f"format={self.format!r}", f"state={self.state!r}"]
+        if self.info is not None:
+            details += [f"session_id={self.info.session_id!r}", f"chunks_received={self.chunks_received}"]
+        return f"StreamWorldClient({', '.join(details)})"
+
+    @property
+    def state(self) -> str:
+        """new, connecting, queued, streaming, done (session.done received) or closed (the connection)."""
+        return self._state
+
+    @property
+    def close_code(self) -> int | None:
+        """The close code the server sent, once the connection is closed."""
+        return None if self._ws is None else self._ws.close_code
+
+    @property
+    def close_reason(self) -> str | None:
+        return None if self._ws is None else self._ws.close_reason
+
+    async def __aenter__(self) -> StreamWorldClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> SessionInfo:
+        """Connects, starts the session and waits (through the queue, if any) until it has started."""
+        if self._state != "new":
+            raise RuntimeError(f"start() on a client in state {self._state!r}")
+        self._state = "connecting"
+        try:
+            self._ws = await connect(
+                self.url,
+                max_size=self.max_size,
+                open_timeout=self.open_timeout,
+                # Media payloads do not compress, and deflating them would cost the server CPU.
+                compression=None,
+            )
+            await self._ws.send(_json(self.start_message))
+            await asyncio.wait_for(self._await_started(), self.start_timeout)
+            assert self.info is not None
+            if self.decode:
+                try:
+                    self._decoder = _make_decoder(self.info, self.init_segment)
+                except (ValueError, IndexError, av.FFmpegError, OSError) as e:
+                    raise StreamWorldError(
+                        "protocol", f"the fmp4 initialization segment is unusable: {e}"
+                    ) from e
+        except BaseException:
+            await self._shut()
+            raise
+        self._state = "streaming"
+        self._reader = asyncio.create_task(self._read_loop(), name=f"streamworld-reader {self.url}")
+        return self.info
+
+    async def _await_started(self) -> None:
+        assert self._ws is not None
+        try:
+            while self.info is None:
+                message = self._parse(await self._ws.recv())
+                kind = message.get("type")
+                if kind == "session.queued":
+                    self._state = "queued"
+                    self.queue_position = int(message["position"])
+                    if self.on_queued is not None:
+                        result = self.on_queued(self.queue_position)
+                        if inspect.isawaitable(result):
+                            await result
+                elif kind == "error":
+                    error = self._error_from(message)
+                    error.close_code = await self._await_close()
+                    raise error
+                elif kind == "session.started":
+                    self.info = SessionInfo.from_message(message)
+            if self.info.format == "fmp4":
+                init_segment = await self._ws.recv()
+                if not isinstance(init_segment, bytes):
+                    raise StreamWorldError(
+                        "protocol", "expected the fmp4 initialization segment after session.started"
+                    )
+                self.init_segment = init_segment
+        except ConnectionClosed as closed:
+            code = self._ws.close_code
+            raise StreamWorldError(
+                "connection_closed",
+                f"the server closed the connection before the session started ({_describe_close(closed)})",
+                close_code=code,
+            ) from None
+
+    def _parse(self, data: str | bytes) -> dict[str, Any]:
+        if isinstance(data, bytes):
+            raise StreamWorldError("protocol", f"unexpected binary message of {len(data)} bytes")
+        try:
+            message = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise StreamWorldError("protocol", f"a text message is not JSON: {e}") from None
+        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+            raise StreamWorldError("protocol", f"a text message is not an object with a type: {data[:200]!r}")
+        return message
+
+    @staticmethod
+    def _error_from(message: dict[str, Any]) -> StreamWorldError:
+        return StreamWorldError(str(message.get("code", "")), str(message.get("message", "")))
+
+    async def _await_close(self) -> int | None:
+        """Waits for the server to close (it does after an error before the start); its close code."""
+        assert self._ws is not None
+        try:
+            await asyncio.wait_for(self._ws.wait_closed(), timeout=self._ws.close_timeout)
+        except asyncio.TimeoutError:
+            await self._ws.close()
+        return self._ws.close_code
+
+    async def _read_loop(self) -> None:
+        """Owns the receive side: pairs chunk metadata with payloads, answers pings, ends the stream."""
+        assert self._ws is not None and self.info is not None
+        pending: dict[str, Any] | None = None
+        next_index, next_frame = 0, None
+        try:
+            while True:
+                data = await self._ws.recv()
+                if isinstance(data, bytes):
+                    if pending is None:
+                        raise StreamWorldError(
+                            "protocol", f"a binary message of {len(data)} bytes without chunk"
+                        )
+                    if len(data) != pending["bytes"]:
+                        raise StreamWorldError(
+                            "protocol",
+                            f"chunk {pending['index']}: payload of {len(data)} bytes, not {pending['bytes']}",
+                        )
+                    self._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
+                    self.chunks_received += 1
+                    pending = None
+                    continue
+                message = self._parse(data)
+                kind = message["type"]
+                if kind == "chunk":
+                    if pending is not None:
+                        raise StreamWorldError("protocol", f"chunk {pending['index']} has no payload")
+                    self._check_chunk(message, next_index, next_frame)
+                    next_index = message["index"] + 1
+                    next_frame = message["first_frame"] + message["num_frames"]
+                    pending = message
+                elif kind == "pong":
+                    waiters = self._pongs.get(_pong_key(message.get("id")))
+                    if waiters:
+                        waiter = waiters.pop(0)
+                        if not waiter.done():
+                            waiter.set_result(None)
+                elif kind == "error":
+                    self.errors.append(self._error_from(message))
+                elif kind == "session.done":
+                    self._state = "done"
+                    self.done_reason = message.get("reason")
+                    self.chunks_done = message.get("chunks")
+                    self._end(self._session_error() if self.done_reason == "error" else None)
+                elif kind == "session.queued":
+                    self.queue_position = message.get("position")
+                # Other types are ignored: the protocol grows by adding them.
+        except ConnectionClosed as closed:
+            if not self._closing:
+                self._end(self._session_error(closed))
+        except Exception as e:  # anything unexpected from the server must still end the stream
+            error = e if isinstance(e, StreamWorldError) else StreamWorldError("protocol", f"{e!r}")
+            self._end(error)
+            await self._ws.close(code=1002, reason="protocol error")
+        finally:
+            self._end(None)
+            self._state = "closed"
+            for waiters in self._pongs.values():
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_exception(StreamWorldError("connection_closed", "the connection closed"))
+            self._pongs.clear()
+
+    def _check_chunk(self, meta: dict[str, Any], index: int, first_frame: int | None) -> None:
+        where = f"chunk {meta.get('index')}"
+        for key in ("index", "first_frame", "num_frames", "bytes"):
+            if not isinstance(meta.get(key), int):
+                raise StreamWorldError("protocol", f"{where}: {key!r} missing or not an integer")
+        if meta["index"] != index:
+            raise StreamWorldError("protocol", f"{where} arrived where chunk {index} was due")
+        if first_frame is not None and meta["first_frame"] != first_frame:
+            raise StreamWorldError(
+                "protocol", f"{where} starts at frame {meta['first_frame']}, not {first_frame}"
+            )
+        if (
+            self.info.format == "rgb"
+            and meta["bytes"] != meta["num_frames"] * self.info.height * self.info.width * 3
+        ):
+            raise StreamWorldError(
+                "protocol", f"{where}: {meta['bytes']} bytes of rgb for {meta['num_frames']} frames"
+            )
+        sizes = meta.get("sizes")
+        if self.info.format in ("jpeg", "h264") and (
+            not isinstance(sizes, list) or len(sizes) != meta["num_frames"] or sum(sizes) != meta["bytes"]
+        ):
+            raise StreamWorldError("protocol", f"{where}: sizes {sizes} do not match num_frames and bytes")
+
+    def _session_error(self, closed: ConnectionClosed | None = None) -> StreamWorldError:
+        """The error that ended the session: the last fatal `error` received, else a summary."""
+        fatal = [error for error in self.errors if error.code != "bad_request"]
+        if fatal:
+            error = StreamWorldError(fatal[-1].code, fatal[-1].message)
+        elif closed is None:
+            error = StreamWorldError("internal", "the session ended with reason 'error'")
+        else:
+            error = StreamWorldError(
+                "connection_closed", f"the connection closed without session.done ({_describe_close(closed)})"
+            )
+        if closed is not None:
+            error.close_code = closed.rcvd.code if closed.rcvd is not None else 1006
+        return error
+
+    def _end(self, error: StreamWorldError | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._incoming.put_nowait(_EndOfStream(error))
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Yields the session's chunks in order until `session.done`.
+
+        Raises StreamWorldError when the session ends with an error or the connection closes
+        without `session.done`; chunks received before that are yielded first.
+        """
+        if self.info is None:
+            raise RuntimeError("chunks() before the session has started")
+        while True:
+            async with self._consume:
+                item = await self._incoming.get()
+                if isinstance(item, _EndOfStream):
+                    self._incoming.put_nowait(item)  # later calls end the same way
+                    if item.error is not None:
+                        raise item.error
+                    return
+                chunk = await self._to_chunk(item)
+            yield chunk
+
+    async def _to_chunk(self, item: _Payload) -> Chunk:
+        meta = item.meta
+        frames = None
+        if self._decoder is not None:
+            try:
+                frames = await asyncio.to_thread(self._decoder.decode, item.data, meta)
+            except (ValueError, av.FFmpegError, OSError) as e:
+                raise StreamWorldError(
+                    "protocol", f"chunk {meta['index']}: the {self.info.format} payload does not decode: {e}"
+                ) from e
+            expected = (meta["num_frames"], self.info.height, self.info.width, 3)
+            if frames.shape != expected:
+                raise StreamWorldError(
+                    "protocol", f"chunk {meta['index']}: decoded frames {frames.shape}, expected {expected}"
+                )
+        return Chunk(
+            index=meta["index"],
+            first_frame=meta["first_frame"],
+            num_frames=meta["num_frames"],
+            frames=frames,
+            timings=dict(meta.get("timings") or {}),
+            raw=meta,
+            received_at=item.received_at,
+            nbytes=len(item.data),
+        )
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if self._ws is None or self.info is None:
+            raise RuntimeError(f"{message['type']} before the session has started")
+        try:
+            await self._ws.send(_json(message))
+        except ConnectionClosed as closed:
+            raise StreamWorldError(
+                "connection_closed", f"cannot send {message['type']}: {_describe_close(closed)}"
+            ) from None
+
+    async def send_actions(
+        self, actions: Sequence[Sequence[float]] | np.ndarray, frame: int | None = None
+    ) -> None:
+        """Queues per-video-frame actions [N, action_dim] (or one vector [action_dim]).
+
+        With `frame`, the first applies to that video frame and the rest follow it; without,
+        they follow the last queued action. The action for frame n conditions frame n + 1.
+        """
+        array = np.asarray(actions, dtype=np.float64)
+        if array.ndim == 1:
+            array = array.reshape(1, -1) if array.size else array.reshape(0, 0)
+        if array.ndim != 2:
+            raise ValueError(f"actions must be [N, action_dim], got shape {array.shape}")
+        message: dict[str, Any] = {"type": "action", "actions": array.tolist()}
+        if frame is not None:
+            message["frame"] = int(frame)
+        await self._send(message)
+
+    async def set_prompt(self, prompt: str) -> None:
+        """Switches the prompt from the next chunk that has not started."""
+        await self._send({"type": "prompt", "prompt": prompt})
+
+    async def stop(self) -> None:
+        """Asks the server to finish the chunk in flight and end the session (`chunks()` then ends)."""
+        await self._send({"type": "session.stop"})
+
+    async def ping(self, id: Any = None, timeout: float | None = None) -> float:
+        """Round trip time in seconds of an application-level ping (`id`: any JSON value)."""
+        if self._reader is None:
+            raise RuntimeError("ping before the session has started")
+        if self._reader.done():
+            raise StreamWorldError("connection_closed", "ping on a closed connection")
+        if id is None:
+            id = f"ping-{next(self._ping_ids)}"
+        waiter = asyncio.get_running_loop().create_future()
+        waiters = self._pongs.setdefault(_pong_key(id), [])
+        waiters.append(waiter)
+        sent = time.monotonic()
+        try:
+            await self._send({"type": "ping", "id": id})
+            await asyncio.wait_for(waiter, timeout)
+        finally:
+            if waiter in waiters:
+                waiters.remove(waiter)
+        return time.monotonic() - sent
+
+    async def close(self) -> None:
+        """Closes the connection (1000); a session still running is cancelled by the server."""
+        if self._state == "closed":
+            return
+        self._closing = True
+        await self._shut()
+
+    async def _shut(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            await self._reader
+        self._end(None)
+        self._state = "closed"
+
+
+def _describe_close(closed: ConnectionClosed) -> str:
+    if closed.rcvd is None:
+        return "no close frame received"
+    reason = f" {closed.rcvd.reason!r}" if closed.rcvd.reason else ""
+    return f"close code {closed.rcvd.code}{reason}"
+
+
+async def generate(
+    url: str, *, actions: Sequence[Sequence[float]] | np.ndarray | None = None, **options: Any
+) -> np.ndarray:
+    """Runs one finite session (`num_chunks` required) and returns all its frames, uint8 [T, H, W, 3].
+
+    `options` are StreamWorldClient's. `actions` (per video frame, from frame 0) are sent right
+    after the start; pass `action_policy="wait"` so that no chunk starts before they arrive.
+    """
+    if options.get("num_chunks") is None:
+        raise ValueError("generate() needs num_chunks: a session without it never ends")
+    if not options.get("decode", True):
+        raise ValueError("generate() returns decoded frames; it cannot take decode=False")
+    async with StreamWorldClient(url, **options) as client:
+        if actions is not None:
+            await client.send_actions(actions, frame=0)
+        frames = [chunk.frames async for chunk in client.chunks()]
+        info = client.info
+    if not frames:
+        return np.zeros((0, info.height, info.width, 3), dtype=np.uint8)
+    return np.concatenate(frames)

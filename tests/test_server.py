@@ -220,6 +220,17 @@ async def test_an_invalid_start_gets_an_error_and_close_1008(served, first, code
     assert close_code == close
 
 
+async def test_bad_starts_do_not_disturb_a_running_session(served, models):
+    _, url, _ = served
+    bystander = asyncio.create_task(_frames(url, "tiny-wan", 11, 3))
+    for first in ("{not json", {"type": "hello"}, {"type": "session.start", "format": "gif"}, b"\x00"):
+        _, code = await raw_session(url, first)
+        assert code in (1003, 1008)
+    frames = await bystander
+    expected = expected_frames(models["tiny-wan"], 11, 3)
+    assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 2
+
+
 async def test_oversize_text_and_binary_frames_close_the_connection(served):
     _, url, _ = served
     big = json.dumps({"type": "session.start", "prompt": "x" * (TEXT_LIMIT + 10)})

@@ -179,22 +179,3 @@ class StreamWorldServer:
             if not ws.closed:
                 await ws.close()
         return ws
-
-
-def load_models(
-    model_ids: list[str],
-    *,
-    device: str,
-    dtype: str,
-    weights: dict[str, object] | None = None,
-    random_weights: bool = False,
-) -> dict[str, WorldModel]:
-    from ..models import get_preset
-
-    weights = weights or {}
-    return {
-        mid: WorldModel.load(
-            get_preset(mid), weights.get(mid), random_weights=random_weights, device=device, dtype=dtype
-        )
-        for mid in model_ids
-    }

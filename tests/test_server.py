@@ -422,3 +422,23 @@ async def test_start_errors_surface_in_the_client(served):
         async with StreamWorldClient(url, model="nope"):
             pass
     assert info.value.code == "unsupported"
+
+
+async def test_stop_while_queued_ends_with_done(models):
+    cfg = EngineConfig(ttff_budget_s=1e3, max_streams=1, max_queue=4)
+    _, test_server = await start_server(models, engine_config=cfg)
+    url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
+    try:
+        async with (
+            StreamWorldClient(url, format="jpeg", num_chunks=None, kv_mode="noisy"),
+            websockets.connect(url) as ws,
+        ):
+            await ws.send(json.dumps({"type": "session.start", "kv_mode": "noisy"}))
+            assert json.loads(await ws.recv()) == {"type": "session.queued", "position": 1}
+            await ws.send(json.dumps({"type": "session.stop"}))
+            done = json.loads(await ws.recv())
+            assert done == {"type": "session.done", "reason": "stopped", "chunks": 0}
+            with pytest.raises(websockets.ConnectionClosedOK):
+                await ws.recv()
+    finally:
+        await test_server.close()

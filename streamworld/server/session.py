@@ -81,6 +81,7 @@ class Session:
         if start is None:
             return
         self.start = start
+        self.started_at = time.monotonic()  # time to first frame counts from session.start
         served = self.server.models[start.model]
         self.served = served
         cfg = served.model.config
@@ -125,6 +126,11 @@ class Session:
         reader = asyncio.create_task(self._reader(), name=f"session-{self.id}-reader")
         try:
             if not await self._wait_admitted():
+                if self.end_reason == "stopped" and not self.ws.closed:  # stopped while queued
+                    self._finish("stopped")
+                    with contextlib.suppress(ConnectionError, RuntimeError):
+                        await self.send_json({"type": "session.done", "reason": "stopped", "chunks": 0})
+                        await self.ws.close(code=WSCloseCode.OK)
                 return
             await self.send_json(self._started_message(encoder))
             init = encoder.init_segment()

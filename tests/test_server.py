@@ -442,3 +442,14 @@ async def test_stop_while_queued_ends_with_done(models):
                 await ws.recv()
     finally:
         await test_server.close()
+
+
+async def test_actions_far_in_the_future_are_refused_and_the_session_goes_on(served):
+    _, url, _ = served
+    async with StreamWorldClient(url, model="tiny-act", format="rgb", num_chunks=1, seed=2) as c:
+        await c.send_actions([[0.1, 0.2]], frame=10**14)
+        pong = await c.ping()
+        chunks = [ch async for ch in c.chunks()]
+        assert [e.code for e in c.errors] == ["bad_request"]
+        assert "at most" in c.errors[0].message
+    assert pong >= 0 and len(chunks) == 1

@@ -76,6 +76,8 @@ class EngineConfig:
     ttff_budget_s: float = 1.0
     # Most chunks (of different streams) decoded in one VAE batch.
     max_decode_batch: int = 8
+    # Actions may be queued at most this many video frames ahead of generation.
+    max_actions_ahead: int = 4096
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: bool = False
     # Tests: called on the executor for every unit before it runs; raising fails the unit.
@@ -304,6 +306,15 @@ class AsyncEngine:
             raise ValueError(f"actions must be a list of finite vectors of length {cfg.action_dim}")
         if frame is not None and frame < 0:
             raise ValueError("frame must be >= 0")
+        # The queue of future actions is bounded: a bad `frame` cannot make it huge.
+        start = stream.actions.known if frame is None else frame
+        horizon = stream.actions.base + self.config.max_actions_ahead
+        if start + len(arr) > horizon:
+            raise ValueError(
+                f"actions may reach at most {self.config.max_actions_ahead} frames past the oldest frame "
+                f"still to be generated (frame {stream.actions.base}); "
+                f"these reach frame {start + len(arr) - 1}"
+            )
         stream.actions.push(arr, frame)
         self._poke()
 

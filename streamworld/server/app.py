@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..engine.engine import AsyncEngine, EngineConfig
 from ..models.config import ModelConfig
@@ -131,12 +132,7 @@ class StreamWorldServer:
         return web.json_response(body, status=503 if self.shutting_down else 200)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics.render(),
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type": "text/plain; version=0.0.4"},
-        )
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def list_models(self, request: web.Request) -> web.Response:
         entries = []
@@ -161,7 +157,8 @@ class StreamWorldServer:
         return web.Response(text=html, content_type="text/html")
 
     async def stream(self, request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0)
+        # No permessage-deflate: media payloads do not compress, and it costs CPU per chunk.
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False)
         await ws.prepare(request)
         session = Session(self, ws, secrets.token_hex(8))
         self.sessions.add(session)

@@ -222,7 +222,10 @@ class Session:
                     action = parse_action(parsed, cfg.action_dim)
                     track = self.handle.stream.actions
                     first = track.known if action.frame is None else action.frame
-                    self.handle.push_actions(action.actions, action.frame)
+                    try:
+                        self.handle.push_actions(action.actions, action.frame)
+                    except ValueError as e:
+                        raise ProtocolError("bad_request", str(e)) from None
                     self.pending_actions.append((first + 1, time.monotonic()))
                 elif kind == "prompt":
                     self.handle.set_prompt(parse_prompt(parsed, cfg.takes_prompt))

@@ -16,7 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 import websockets
-from aiohttp.test_utils import TestServer
+from aiohttp import web
 
 from streamworld.client import StreamWorldClient, StreamWorldError
 from streamworld.engine.engine import EngineConfig
@@ -39,6 +39,24 @@ def models(tiny_model):
     return {"tiny-wan": tiny_model, "tiny-act": act}
 
 
+class RunningServer:
+    """The app under an AppRunner configured as `web.run_app` configures it (a client leaving
+    does not cancel its handler), on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        self.runner = web.AppRunner(app, handler_cancellation=False)
+
+    async def start(self) -> RunningServer:
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
 async def start_server(models, engine_config=FAST, limits=None, max_text_frame=TEXT_LIMIT):
     limits = limits or SessionLimits()
     server = StreamWorldServer(
@@ -47,9 +65,7 @@ async def start_server(models, engine_config=FAST, limits=None, max_text_frame=T
         ServerConfig(max_text_frame=max_text_frame, limits=limits),
         default_model="tiny-wan",
     )
-    test_server = TestServer(server.build_app(), host="127.0.0.1")
-    await test_server.start_server()
-    return server, test_server
+    return server, await RunningServer(server.build_app()).start()
 
 
 @pytest.fixture
@@ -453,3 +469,26 @@ async def test_actions_far_in_the_future_are_refused_and_the_session_goes_on(ser
         assert [e.code for e in c.errors] == ["bad_request"]
         assert "at most" in c.errors[0].message
     assert pong >= 0 and len(chunks) == 1
+
+
+async def test_malformed_numbers_are_bad_requests_and_a_client_leaving_after_a_ping_is_cleaned_up(served):
+    server, url, http = served
+    async with StreamWorldClient(url, model="tiny-act", format="rgb", num_chunks=1, seed=3) as c:
+        await c._ws.send('{"type": "action", "actions": [[0, 1%s]]}' % ("0" * 400))
+        await c._ws.send('{"type": "ping", "id": %s}' % ("9" * 5000))
+        assert await c.ping() >= 0
+        chunks = [ch async for ch in c.chunks()]
+        assert [e.code for e in c.errors] == ["bad_request", "bad_request"]
+    assert len(chunks) == 1
+    # A `wait` session produces nothing; its client pings and leaves without reading.
+    ws = await websockets.connect(url)
+    await ws.send(json.dumps({"type": "session.start", "model": "tiny-act", "action_policy": "wait"}))
+    assert json.loads(await ws.recv())["type"] == "session.started"
+    await ws.send(json.dumps({"type": "ping", "id": 1}))
+    ws.transport.abort()
+    for _ in range(100):
+        if await metric(http, "streamworld_kv_pages_used", "tiny-act") == 0 and not server.sessions:
+            break
+        await asyncio.sleep(0.05)
+    assert await metric(http, "streamworld_kv_pages_used", "tiny-act") == 0
+    assert not server.sessions

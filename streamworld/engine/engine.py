@@ -22,7 +22,6 @@ import itertools
 import logging
 import math
 import time
-import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +56,10 @@ log = logging.getLogger("streamworld.engine")
 
 class Overloaded(RuntimeError):
     """The admission queue is full."""
+
+
+class Unsupported(ValueError):
+    """The request can never be served here (e.g. its K/V never fits the pool)."""
 
 
 class StreamError(RuntimeError):
@@ -258,7 +261,7 @@ class AsyncEngine:
             raise ValueError("action_policy must be 'hold' or 'wait'")
         need = self._pages_for(kv_mode)
         if need > self.pool.pages_per_stage:
-            raise Overloaded(
+            raise Unsupported(
                 f"a {kv_mode} stream needs {need} pages per stage; the pool has {self.pool.pages_per_stage}"
             )
         must_wait = bool(self.waiting) or not self.pool.can_reserve(need)
@@ -626,15 +629,17 @@ class AsyncEngine:
         """Runs one batch on the executor thread; on failure, each unit alone."""
         try:
             return self._execute_batch(stage, works)
-        except Exception:
+        except Exception as e:
             if len(works) == 1:
-                return [_Result(False, traceback.format_exc(limit=3))]
+                log.warning("unit %s failed", works[0].unit, exc_info=True)
+                return [_Result(False, f"{type(e).__name__}: {e}")]
         results = []
         for w in works:
             try:
                 results.extend(self._execute_batch(stage, [w]))
-            except Exception:
-                results.append(_Result(False, traceback.format_exc(limit=3)))
+            except Exception as e:
+                log.warning("unit %s failed", w.unit, exc_info=True)
+                results.append(_Result(False, f"{type(e).__name__}: {e}"))
         return results
 
     def _execute_batch(self, stage: Stage, works: list[_Work]) -> list[_Result]:

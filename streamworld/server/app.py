@@ -103,19 +103,24 @@ class StreamWorldServer:
             await served.engine.start()
 
     async def _shutdown(self, app: web.Application) -> None:
+        """Stops admitting, ends live sessions with session.done, drops what does not end."""
         self.shutting_down = True
         sessions = list(self.sessions)
         for s in sessions:
             s.shutdown()
-        if sessions:
-            done = [asyncio.create_task(s.done.wait()) for s in sessions]
-            _, pending = await asyncio.wait(done, timeout=self.config.shutdown_grace_s)
+        idle = [s for s in sessions if s.handle is None]  # connected, no session.start yet
+        closing = [
+            asyncio.ensure_future(s.ws.close(code=1001, message=b"server shutting down")) for s in idle
+        ]
+        waits = [asyncio.ensure_future(s.done.wait()) for s in sessions if s.handle is not None]
+        pending_all = closing + waits
+        if pending_all:
+            _, pending = await asyncio.wait(pending_all, timeout=self.config.shutdown_grace_s)
             for task in pending:
                 task.cancel()
-            for s in sessions:
-                if not s.ws.closed:
-                    with contextlib.suppress(Exception):
-                        await s.ws.close(code=1001, message=b"server shutting down")
+        for s in sessions:
+            if not s.ws.closed or not s.done.is_set():
+                s.abort()  # a client that does not take session.done in time is dropped
 
     async def _cleanup(self, app: web.Application) -> None:
         for served in self.models.values():
@@ -160,7 +165,7 @@ class StreamWorldServer:
         # No permessage-deflate: media payloads do not compress, and it costs CPU per chunk.
         ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False)
         await ws.prepare(request)
-        session = Session(self, ws, secrets.token_hex(8))
+        session = Session(self, ws, secrets.token_hex(8), transport=request.transport)
         self.sessions.add(session)
         try:
             await session.run()

@@ -10,7 +10,6 @@ import base64
 import binascii
 import io
 import json
-import math
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from ..models.config import ModelConfig
 from .media import FORMATS
 
 PRIORITIES = ("interactive", "standard", "batch")
+MAX_IMAGE_PIXELS = 4096 * 4096
 ACTION_POLICIES = ("hold", "wait")
 
 
@@ -56,7 +56,7 @@ class ActionMessage:
 def parse_json(text: str) -> dict[str, Any]:
     try:
         msg = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and integers too long to parse
         raise ProtocolError("bad_request", f"message is not valid JSON: {e}") from None
     if not isinstance(msg, dict):
         raise ProtocolError("bad_request", "a message must be a JSON object with a 'type' field")
@@ -134,12 +134,19 @@ def decode_image(data: str, width: int, height: int) -> np.ndarray:
         with Image.open(io.BytesIO(raw)) as img:
             if img.format not in ("PNG", "JPEG"):
                 raise ProtocolError("bad_request", f"'image' must be PNG or JPEG, got {img.format}")
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise ProtocolError(
+                    "bad_request", f"'image' is {img.width}x{img.height}; at most 4096x4096 pixels"
+                )
             rgb = img.convert("RGB")
             if rgb.size != (width, height):
                 rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
             return np.asarray(rgb, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError):
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
         raise ProtocolError("bad_request", "'image' is not a readable PNG or JPEG") from None
+
+
+MAX_ACTIONS_PER_MESSAGE = 4096
 
 
 def parse_action(msg: dict[str, Any], action_dim: int) -> ActionMessage:
@@ -148,18 +155,23 @@ def parse_action(msg: dict[str, Any], action_dim: int) -> ActionMessage:
     actions = msg.get("actions")
     if not isinstance(actions, list) or not actions:
         raise ProtocolError("bad_request", "'actions' must be a non-empty list of action vectors")
-    rows = []
+    if len(actions) > MAX_ACTIONS_PER_MESSAGE:
+        raise ProtocolError("bad_request", f"at most {MAX_ACTIONS_PER_MESSAGE} action vectors per message")
     for i, row in enumerate(actions):
         if not isinstance(row, list) or len(row) != action_dim:
             raise ProtocolError("bad_request", f"actions[{i}] must be a list of {action_dim} numbers")
-        for x in row:
-            if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
-                raise ProtocolError("bad_request", f"actions[{i}] must hold finite numbers, got {x!r}")
-        rows.append(row)
+        if any(isinstance(x, bool) or not isinstance(x, int | float) for x in row):
+            raise ProtocolError("bad_request", f"actions[{i}] must hold numbers, got {row!r}"[:200])
+    try:
+        arr = np.asarray(actions, dtype=np.float64)
+    except (OverflowError, ValueError):
+        raise ProtocolError("bad_request", "actions must hold finite numbers") from None
+    if not np.isfinite(arr).all() or np.abs(arr).max() > 3.0e38:
+        raise ProtocolError("bad_request", "actions must hold finite numbers")
     frame = _field(msg, "frame", (int,), "an integer", None)
-    if frame is not None and frame < 0:
+    if frame is not None and not 0 <= frame < 2**53:
         raise ProtocolError("bad_request", "'frame' must be >= 0")
-    return ActionMessage(np.asarray(rows, dtype=np.float32), frame)
+    return ActionMessage(arr.astype(np.float32), frame)
 
 
 def parse_prompt(msg: dict[str, Any], takes_prompt: bool) -> str:

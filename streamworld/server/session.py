@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from ..engine.engine import Overloaded, StreamError
+from ..engine.engine import Overloaded, StreamError, Unsupported
 from ..engine.stream import ChunkOutput, StreamRequest
 from .media import make_encoder
 from .protocol import ProtocolError, SessionStart, parse_action, parse_json, parse_prompt, parse_session_start
@@ -46,11 +46,22 @@ class SessionLimits:
     slow_client_timeout_s: float = 10.0
 
 
+class ClientTooSlow(Exception):
+    """The client did not take a message within `slow_client_timeout_s`; it was cut off."""
+
+
+CLIENT_GONE = (ConnectionError, RuntimeError, ClientTooSlow)
+
+
 class Session:
-    def __init__(self, server: StreamWorldServer, ws: web.WebSocketResponse, session_id: str) -> None:
+    def __init__(
+        self, server: StreamWorldServer, ws: web.WebSocketResponse, session_id: str, transport=None
+    ) -> None:
         self.server = server
         self.ws = ws
         self.id = session_id
+        self.transport = transport
+        self._send_lock = asyncio.Lock()
         self.served: ServedModel | None = None
         self.handle = None
         self.start: SessionStart | None = None
@@ -67,12 +78,46 @@ class Session:
         self._counted = False
 
     # --- helpers ---------------------------------------------------------------------------
+    async def send(self, *messages: dict | bytes) -> None:
+        """Sends messages back to back (never interleaved with other sends).
+
+        A client that does not take them within `slow_client_timeout_s` is cut off: its
+        connection is aborted (nothing more can reach a client that does not read) and
+        `ClientTooSlow` is raised. The send itself is never cancelled, since cancelling
+        aiohttp's drain would break the connection's later writes and close.
+        """
+        async with self._send_lock:
+            task = asyncio.ensure_future(self._write(messages))
+            done, _ = await asyncio.wait({task}, timeout=self.server.limits.slow_client_timeout_s)
+            if not done:
+                log.warning(
+                    "session %s: client did not read for %.0f s; dropping it",
+                    self.id,
+                    self.server.limits.slow_client_timeout_s,
+                )
+                self.abort()
+                with contextlib.suppress(BaseException):
+                    await task
+                raise ClientTooSlow
+            task.result()
+
+    async def _write(self, messages: tuple[dict | bytes, ...]) -> None:
+        for m in messages:
+            if isinstance(m, bytes):
+                await self.ws.send_bytes(m)
+            else:
+                await self.ws.send_json(m)
+
     async def send_json(self, msg: dict) -> None:
-        await self.ws.send_json(msg)
+        await self.send(msg)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
     async def fail_and_close(self, err: ProtocolError, code: int) -> None:
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            await self.send_json(err.to_message())
+        with contextlib.suppress(*CLIENT_GONE):
+            await self.send(err.to_message())
             await self.ws.close(code=code, message=err.message[:120].encode())
 
     # --- the session -----------------------------------------------------------------------
@@ -114,6 +159,10 @@ class Session:
             return
         try:
             self.handle = served.engine.open_stream(request)
+        except Unsupported as e:
+            await self.fail_and_close(ProtocolError("unsupported", str(e)), CLOSE_POLICY)
+            encoder.close()
+            return
         except Overloaded as e:
             self.server.metrics.finished.labels(cfg.id, "overloaded").inc()
             await self.fail_and_close(ProtocolError("overloaded", str(e)), CLOSE_TRY_AGAIN)
@@ -126,30 +175,46 @@ class Session:
         reader = asyncio.create_task(self._reader(), name=f"session-{self.id}-reader")
         try:
             if not await self._wait_admitted():
-                if self.end_reason == "stopped" and not self.ws.closed:  # stopped while queued
-                    self._finish("stopped")
-                    with contextlib.suppress(ConnectionError, RuntimeError):
-                        await self.send_json({"type": "session.done", "reason": "stopped", "chunks": 0})
-                        await self.ws.close(code=WSCloseCode.OK)
+                await self._end_unadmitted()
                 return
-            await self.send_json(self._started_message(encoder))
             init = encoder.init_segment()
-            if init:
-                await self.ws.send_bytes(init)
+            started = (self._started_message(encoder), init) if init else (self._started_message(encoder),)
+            await self.send(*started)
             pump = asyncio.create_task(self._pump(), name=f"session-{self.id}-pump")
             try:
                 await self._writer(encoder)
+            except CLIENT_GONE:
+                self._finish("error" if self.end_reason == "error" else "cancelled")
+            except Exception:
+                log.exception("session %s: sending failed", self.id)
+                self._finish("error")
+                await self.fail_and_close(ProtocolError("internal", "internal server error"), CLOSE_INTERNAL)
             finally:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
         finally:
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(BaseException):
                 await reader
             self._cancel_stream()
             encoder.close()
             self.done.set()
+
+    async def _end_unadmitted(self) -> None:
+        """The stream ended while queued: stopped, failed, or the client left."""
+        if self.ws.closed:
+            return
+        status = self.handle.stream.status
+        if self.end_reason == "stopped":
+            self._finish("stopped")
+            with contextlib.suppress(*CLIENT_GONE):
+                await self.send({"type": "session.done", "reason": "stopped", "chunks": 0})
+                await self.ws.close(code=WSCloseCode.OK)
+        elif status == "error":
+            self._finish("error")
+            err = (self.handle.stream.error or "internal error").splitlines()[0]
+            await self.fail_and_close(ProtocolError("internal", err), CLOSE_INTERNAL)
 
     async def _read_start(self) -> SessionStart | None:
         try:
@@ -168,7 +233,10 @@ class Session:
             return None  # closed, or an oversize frame (aiohttp closes with 1009)
         try:
             parsed = parse_json(msg.data)
-            return parse_session_start(parsed, self.server.model_configs, self.server.default_model)
+            # Off the event loop: a first image is decoded here.
+            return await asyncio.to_thread(
+                parse_session_start, parsed, self.server.model_configs, self.server.default_model
+            )
         except ProtocolError as e:
             await self.fail_and_close(e, CLOSE_POLICY)
             return None
@@ -207,47 +275,61 @@ class Session:
     async def _reader(self) -> None:
         """Client messages during the session; a disconnect cancels the stream at once."""
         cfg = self.served.model.config
-        async for msg in self.ws:
-            if msg.type == WSMsgType.BINARY:
-                await self.fail_and_close(
-                    ProtocolError("bad_request", "binary messages are not accepted"), CLOSE_UNSUPPORTED_DATA
-                )
-                break
-            if msg.type != WSMsgType.TEXT:
-                break
-            try:
-                parsed = parse_json(msg.data)
-                kind = parsed["type"]
-                if kind == "action":
-                    action = parse_action(parsed, cfg.action_dim)
-                    track = self.handle.stream.actions
-                    first = track.known if action.frame is None else action.frame
-                    try:
-                        self.handle.push_actions(action.actions, action.frame)
-                    except ValueError as e:
-                        raise ProtocolError("bad_request", str(e)) from None
-                    self.pending_actions.append((first + 1, time.monotonic()))
-                elif kind == "prompt":
-                    self.handle.set_prompt(parse_prompt(parsed, cfg.takes_prompt))
-                elif kind == "ping":
-                    await self.send_json({"type": "pong", "id": parsed.get("id")})
-                elif kind == "session.stop":
+        try:
+            async for msg in self.ws:
+                if msg.type == WSMsgType.BINARY:
+                    await self.fail_and_close(
+                        ProtocolError("bad_request", "binary messages are not accepted"),
+                        CLOSE_UNSUPPORTED_DATA,
+                    )
+                    break
+                if msg.type != WSMsgType.TEXT:
+                    break
+                try:
+                    reply = self._handle_message(parse_json(msg.data), cfg)
+                except ProtocolError as e:
+                    reply = e.to_message()
+                if reply is not None:
+                    await self.send(reply)
+        except CLIENT_GONE:
+            pass
+        finally:
+            # The client went away (or broke the protocol): cancel everything now.
+            if not self._counted and self.end_reason is None:
+                self.end_reason = "cancelled"
+                self._finish("cancelled")
+            if self.end_reason == "cancelled":
+                self._cancel_stream()
+            self.outgoing_ready.set()
+
+    def _handle_message(self, parsed: dict, cfg) -> dict | None:
+        """Applies one client message; returns the reply to send, if any."""
+        kind = parsed["type"]
+        try:
+            if kind == "action":
+                action = parse_action(parsed, cfg.action_dim)
+                track = self.handle.stream.actions
+                first = track.known if action.frame is None else action.frame
+                try:
+                    self.handle.push_actions(action.actions, action.frame)
+                except ValueError as e:
+                    raise ProtocolError("bad_request", str(e)) from None
+                self.pending_actions.append((first + 1, time.monotonic()))
+            elif kind == "prompt":
+                self.handle.set_prompt(parse_prompt(parsed, cfg.takes_prompt))
+            elif kind == "ping":
+                return {"type": "pong", "id": parsed.get("id")}
+            elif kind == "session.stop":
+                if self.end_reason is None:
                     self.end_reason = "stopped"
-                    self.handle.stop()
-                elif kind == "session.start":
-                    raise ProtocolError("bad_request", "session.start may be sent only once")
-                else:
-                    raise ProtocolError("bad_request", f"unknown message type {kind!r}")
-            except ProtocolError as e:
-                await self.send_json(e.to_message())
-            except KeyError:
-                pass  # the stream has already ended; late messages are ignored
-        # The client went away (or broke the protocol): cancel everything now.
-        if not self._counted:
-            self.end_reason = "cancelled"
-            self._finish("cancelled")
-        self._cancel_stream()
-        self.outgoing_ready.set()
+                self.handle.stop()
+            elif kind == "session.start":
+                raise ProtocolError("bad_request", "session.start may be sent only once")
+            else:
+                raise ProtocolError("bad_request", f"unknown message type {kind!r}")
+        except KeyError:
+            pass  # the stream has already ended; late messages are ignored
+        return None
 
     async def _pump(self) -> None:
         """Engine chunks into the outgoing queue; pauses the stream's clock when it backs up."""
@@ -299,22 +381,11 @@ class Session:
             if encoded.sizes is not None:
                 meta["sizes"] = encoded.sizes
             try:
-                await asyncio.wait_for(self._send_chunk(meta, encoded.payload), limits.slow_client_timeout_s)
-            except TimeoutError:
+                await self.send(meta, encoded.payload)
+            except ClientTooSlow:
                 self.end_reason = "error"
-                log.warning("session %s: client too slow, ending it", self.id)
                 self._finish("error")
                 self._cancel_stream()
-                await self.fail_and_close(
-                    ProtocolError(
-                        "overloaded",
-                        f"the client did not read a chunk within "
-                        f"{limits.slow_client_timeout_s:g} s; ending the session",
-                    ),
-                    CLOSE_TRY_AGAIN,
-                )
-                return
-            except (ConnectionError, RuntimeError):
                 return
             now = time.monotonic()
             if self.chunks_sent == 0:
@@ -345,13 +416,9 @@ class Session:
                 await self.send_json({"type": "session.done", "reason": "error", "chunks": self.chunks_sent})
                 await self.ws.close(code=CLOSE_INTERNAL, message=b"internal error")
             return
-        with contextlib.suppress(ConnectionError, RuntimeError):
+        with contextlib.suppress(*CLIENT_GONE):
             await self.send_json({"type": "session.done", "reason": reason, "chunks": self.chunks_sent})
             await self.ws.close(code=WSCloseCode.OK)
-
-    async def _send_chunk(self, meta: dict, payload: bytes) -> None:
-        await self.ws.send_json(meta)
-        await self.ws.send_bytes(payload)
 
     def _finish(self, reason: str) -> None:
         """Counts the session's end once, whatever path ends it."""

@@ -26,6 +26,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="tiny-wan", help="model preset (see `streamworld models`; default: tiny-wan)"
     )
+    _add_weight_args(p)
+
+
+def _add_weight_args(p: argparse.ArgumentParser) -> None:
+    """Where weights come from and where the model runs (for real-size presets)."""
     p.add_argument(
         "--weights",
         metavar="DIR",
@@ -73,23 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="model to serve; repeat for several (default: tiny-wan). The first is the default model.",
     )
-    serve.add_argument(
-        "--weights", metavar="DIR", help="local diffusers-style folder for the real-size model"
-    )
-    serve.add_argument(
-        "--dit", metavar="PATH", help="DiT checkpoint for the real-size model (see generate --help)"
-    )
-    serve.add_argument("--vae", metavar="DIR", help="VAE folder for the real-size model")
-    serve.add_argument("--text-encoder", metavar="DIR", help="umT5 folder for the real-size model")
-    serve.add_argument(
-        "--random-weights", action="store_true", help="real-size models with random weights (timing)"
-    )
+    _add_weight_args(serve)  # they apply to the real-size models among --model
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
-    serve.add_argument(
-        "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
-    )
     serve.add_argument(
         "--max-sessions",
         type=int,

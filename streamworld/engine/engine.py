@@ -40,6 +40,7 @@ from .kv_pool import KVPagePool, PagedKVView, PageTable, Stage, pages_needed, sp
 from .reference import validate_request
 from .scheduler import ReadyUnit, Scheduler, SchedulerConfig
 from .stream import (
+    ACTION_POLICIES,
     PRIORITY_CLASSES,
     ActionTrack,
     ChunkOutput,
@@ -257,8 +258,8 @@ class AsyncEngine:
         kv_mode = validate_request(self.model, gen_view)
         if request.priority not in PRIORITY_CLASSES:
             raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)}")
-        if request.action_policy not in ("hold", "wait"):
-            raise ValueError("action_policy must be 'hold' or 'wait'")
+        if request.action_policy not in ACTION_POLICIES:
+            raise ValueError(f"action_policy must be one of {list(ACTION_POLICIES)}")
         need = self._pages_for(kv_mode)
         if need > self.pool.pages_per_stage:
             raise Unsupported(

@@ -8,7 +8,7 @@ inputs. Presets (`streamworld.models.presets`) are instances of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 KV_MODES = ("clean", "final", "noisy")
@@ -49,7 +49,6 @@ class ModelConfig:
     # True for real models: serving them without weights needs an explicit --random-weights.
     requires_weights: bool = False
     description: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.default_kv_mode not in self.kv_modes:

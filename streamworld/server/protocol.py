@@ -16,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.stream import ACTION_POLICIES, PRIORITY_CLASSES
 from ..models.config import ModelConfig
 from .media import FORMATS
 
-PRIORITIES = ("interactive", "standard", "batch")
+PRIORITIES = tuple(PRIORITY_CLASSES)
 MAX_IMAGE_PIXELS = 4096 * 4096
-ACTION_POLICIES = ("hold", "wait")
 
 
 class ProtocolError(Exception):

@@ -25,6 +25,7 @@ from .engine.reference import GenerationRequest, ReferenceGenerator
 from .engine.scheduler import SchedulerConfig
 from .engine.stream import StreamRequest
 from .models.world_model import WorldModel
+from .scenes import first_frame_source
 
 
 @dataclass
@@ -43,6 +44,21 @@ class BenchConfig:
     ttff_budget_s: float = 1.0
     lookahead_chunks: float = 2.0
     baseline: bool = True
+
+
+def _inputs(model: WorldModel, seed: int) -> dict:
+    """The first image an image-to-world model needs (its environment's, or mid-grey)."""
+    cfg = model.config
+    if not cfg.needs_image:
+        return {}
+    source = first_frame_source(cfg)
+    if source is not None:
+        return {"image": source(seed)[0]}
+    return {"image": np.full((cfg.height, cfg.width, 3), 128, np.uint8)}
+
+
+def _prompt(model: WorldModel, cfg: BenchConfig) -> str:
+    return cfg.prompt if model.config.takes_prompt else ""
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -65,7 +81,13 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
     async with AsyncEngine(model, engine_cfg) as engine:
         # Warm-up (kernel selection, allocator, prompt cache), not measured.
         warm = engine.open_stream(
-            StreamRequest(seed=10_000, num_chunks=1, prompt=cfg.prompt, kv_mode=cfg.kv_mode)
+            StreamRequest(
+                seed=10_000,
+                num_chunks=1,
+                prompt=_prompt(model, cfg),
+                kv_mode=cfg.kv_mode,
+                **_inputs(model, 10_000),
+            )
         )
         async for _ in warm:
             pass
@@ -75,7 +97,12 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         handles = [
             engine.open_stream(
                 StreamRequest(
-                    seed=i, num_chunks=None, prompt=cfg.prompt, kv_mode=cfg.kv_mode, priority=cfg.priority
+                    seed=i,
+                    num_chunks=None,
+                    prompt=_prompt(model, cfg),
+                    kv_mode=cfg.kv_mode,
+                    priority=cfg.priority,
+                    **_inputs(model, i),
                 )
             )
             for i in range(cfg.streams)
@@ -130,13 +157,22 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
 def _baseline_phase(model: WorldModel, cfg: BenchConfig, chunks_per_stream: int) -> dict:
     gen = ReferenceGenerator(model)
     mode = cfg.baseline_kv_mode or cfg.kv_mode
-    gen.generate(GenerationRequest(seed=10_000, num_chunks=1, prompt=cfg.prompt, kv_mode=mode))  # warm-up
+    warm = GenerationRequest(
+        seed=10_000, num_chunks=1, prompt=_prompt(model, cfg), kv_mode=mode, **_inputs(model, 10_000)
+    )
+    gen.generate(warm)
     _sync(model)
     t0 = time.perf_counter()
     frames = 0
     for i in range(cfg.streams):
         result = gen.generate(
-            GenerationRequest(seed=i, num_chunks=chunks_per_stream, prompt=cfg.prompt, kv_mode=mode)
+            GenerationRequest(
+                seed=i,
+                num_chunks=chunks_per_stream,
+                prompt=_prompt(model, cfg),
+                kv_mode=mode,
+                **_inputs(model, i),
+            )
         )
         frames += result.frames.shape[0]
     _sync(model)

@@ -1,8 +1,8 @@
 """`streamworld` command line.
 
-Subcommands that exist today: `generate` (the sequential reference generator), `bench` (the
-engine against the sequential baseline) and `models` (the model presets). `serve`, `train`
-and `eval` arrive with their issues.
+Subcommands: `serve` (the streaming server), `generate` (the sequential reference
+generator), `bench` (the engine against the sequential baseline), `train` and `eval` (the
+embedded PushT world model) and `models` (the model presets).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         dest="models",
         metavar="MODEL",
-        help="model to serve; repeat for several (default: tiny-wan). The first is the default model.",
+        help="model to serve; repeat for several (default: pusht). The first is the default model.",
     )
     _add_weight_args(serve)  # they apply to the real-size models among --model
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -115,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="noise seed (default 0)")
     gen.add_argument("--chunks", type=int, default=3, help="number of chunks to generate (default 3)")
     gen.add_argument("--prompt", default="", help="text prompt (models that take prompts)")
-    gen.add_argument("--image", metavar="PNG", help="first frame (image-to-world models)")
+    gen.add_argument(
+        "--image",
+        metavar="PNG",
+        help="first frame (image-to-world models; pusht: default the environment's, by --seed)",
+    )
     gen.add_argument(
         "--actions",
         metavar="FILE.json",
@@ -167,6 +171,76 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
     bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     bench.set_defaults(func=cmd_bench)
+
+    train = sub.add_parser(
+        "train",
+        help="train the embedded PushT world model",
+        description=(
+            "Record PushT episodes (when the data folder has none yet) and train the pusht world model "
+            "with flow matching. A run stops after --minutes and saves a checkpoint in --workdir; running "
+            "the same command again resumes it, until --total-steps. Every run exports the EMA weights "
+            "(float16 safetensors) that `serve --dit PATH` or the package's built-in weights use. The "
+            "recipe is in docs/pusht.md."
+        ),
+    )
+    train.add_argument("model", choices=("pusht",), help="the model to train (only pusht is trainable)")
+    train.add_argument(
+        "--workdir", default="pusht-train", help="checkpoint and output folder (default pusht-train)"
+    )
+    train.add_argument(
+        "--data", metavar="DIR", help="recorded episodes (default WORKDIR/data; recorded when missing)"
+    )
+    train.add_argument("--episodes", type=int, default=2000, help="episodes to record (default 2000)")
+    train.add_argument("--steps-per-episode", type=int, default=200, help="actions per episode (default 200)")
+    train.add_argument("--data-seed", type=int, default=0, help="seed of the recorded data set (default 0)")
+    train.add_argument("--workers", type=int, help="processes that record episodes (default: CPU count)")
+    train.add_argument(
+        "--minutes", type=float, default=10.0, help="wall-time budget of this run (default 10)"
+    )
+    train.add_argument(
+        "--total-steps", type=int, default=12_000, help="length of the whole schedule (default 12000)"
+    )
+    train.add_argument("--batch-size", type=int, default=64, help="clips per step (default 64)")
+    train.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    train.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    train.add_argument("--out", metavar="PATH", help="exported weights (default WORKDIR/pusht.safetensors)")
+    train.add_argument(
+        "--init",
+        metavar="PATH",
+        help="start from these exported weights (fine-tuning) instead of random ones",
+    )
+    train.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model, data set and schedule on the CPU: checks the pipeline in seconds",
+    )
+    train.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="evaluate the PushT world model against the real environment",
+        description=(
+            "Roll out the real PushT environment from each seed's initial state with the scripted "
+            "controller, give the model the first frame and the same actions, and compare predicted with "
+            "true frames per horizon: PSNR, SSIM and the agent's and block's position errors, against the "
+            "copy-first-frame baseline. Prints a Markdown table; --json writes every horizon."
+        ),
+    )
+    ev.add_argument("model", choices=("pusht",), help="the model to evaluate")
+    ev.add_argument("--seeds", default="0-99", help="environment seeds, e.g. 0-99 or 1,5,9 (default 0-99)")
+    ev.add_argument("--horizon", type=int, default=32, help="future frames compared (default 32)")
+    ev.add_argument(
+        "--kv-mode",
+        action="append",
+        dest="kv_modes",
+        choices=("clean", "final", "noisy"),
+        help="KV mode to evaluate; repeat for several (default: all three)",
+    )
+    ev.add_argument("--dit", metavar="PATH", help="weights to evaluate (default: the shipped ones)")
+    ev.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    ev.add_argument("--json", metavar="OUT", help="write the full report as JSON")
+    ev.set_defaults(func=cmd_eval)
 
     models = sub.add_parser("models", help="list the model presets")
     models.add_argument("--json", action="store_true", help="print the /v1/models entries as JSON")
@@ -240,6 +314,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     actions = _read_actions(args.actions) if args.actions else None
     image = _read_image(args.image) if args.image else None
     model = _load_model(args)
+    if image is None and model.config.needs_image:
+        from .scenes import first_frame_source
+
+        first_frame = first_frame_source(model.config)
+        if first_frame is None:
+            raise UsageError(f"model {model.config.id} needs --image")
+        image, _ = first_frame(args.seed)
     request = GenerationRequest(
         seed=args.seed,
         num_chunks=args.chunks,
@@ -281,7 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    model_ids = args.models or ["tiny-wan"]
+    model_ids = args.models or ["pusht"]
     unknown = [m for m in model_ids if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
@@ -359,6 +440,87 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(format_report(result))
     if args.json:
         write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .models import get_preset
+    from .pusht.data import DatasetSpec
+    from .pusht.train import TrainConfig, Trainer, prepare_data, smoke_config
+
+    config = get_preset(args.model)
+    workdir = Path(args.workdir)
+    spec = DatasetSpec(
+        episodes=args.episodes, steps=args.steps_per_episode, size=config.height, seed=args.data_seed
+    )
+    train_config = TrainConfig(
+        batch_size=args.batch_size, total_steps=args.total_steps, lr=args.lr, seed=args.seed
+    )
+    device = args.device
+    if args.smoke:
+        config = smoke_config(config)
+        spec = DatasetSpec(episodes=4, steps=40, size=config.height, seed=args.data_seed)
+        train_config = TrainConfig(
+            batch_size=2,
+            total_steps=min(args.total_steps, 4),
+            warmup_steps=2,
+            log_every=2,
+            checkpoint_every=2,
+        )
+        device = "cpu"
+    for name in ("episodes", "steps_per_episode", "total_steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.minutes <= 0:
+        raise UsageError("--minutes must be positive")
+    data_dir = Path(args.data) if args.data else workdir / "data"
+    try:
+        data = prepare_data(data_dir, spec, workers=args.workers)
+        if args.init is not None and not Path(args.init).is_file():
+            raise UsageError(f"--init: {args.init} does not exist")
+        trainer = Trainer(config, train_config, data, workdir, device=device, init=args.init)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    summary = trainer.run(args.minutes)
+    out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
+    summary["weights"] = str(out)
+    summary["weights_bytes"] = out.stat().st_size
+    (workdir / "train_summary.json").write_text(
+        json.dumps({**summary, "history": trainer.history}, indent=2) + "\n"
+    )
+    print(json.dumps(summary, indent=2))
+    if trainer.step < train_config.total_steps:
+        print(
+            f"stopped at step {trainer.step} of {train_config.total_steps}: "
+            "run the same command again to resume"
+        )
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .models import get_preset
+    from .models.world_model import WeightPaths, WorldModel
+    from .pusht.evaluate import evaluate, markdown_table, parse_seeds
+
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        raise UsageError(f"--seeds: {e}") from None
+    if args.horizon < 1:
+        raise UsageError("--horizon must be at least 1")
+    if args.dit is not None and not Path(args.dit).exists():
+        raise UsageError(f"--dit: {args.dit} does not exist")
+    try:
+        model = WorldModel.load(get_preset(args.model), WeightPaths(dit=args.dit), device=args.device)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
+    report = evaluate(model, seeds, modes, horizon=args.horizon)
+    print(markdown_table(report))
+    print("generation frames/s (reference loop, this machine): " + json.dumps(report["generation_fps"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
 

@@ -54,12 +54,22 @@ def gather_latent_actions(
 
 
 class ActionAdapter(nn.Module):
-    def __init__(self, action_dim: int, temporal_ratio: int, dim: int) -> None:
+    """Actions in `action_range` (the model's own units, e.g. PushT's world coordinates) are
+    mapped linearly to [-1, 1] before the MLP."""
+
+    def __init__(
+        self, action_dim: int, temporal_ratio: int, dim: int, action_range: tuple[float, float] = (-1.0, 1.0)
+    ) -> None:
         super().__init__()
         self.action_dim = action_dim
         self.temporal_ratio = temporal_ratio
+        low, high = action_range
+        if not high > low:
+            raise ValueError(f"action_range must be (low, high) with high > low, got {action_range}")
+        self.centre = (low + high) / 2.0
+        self.half_range = (high - low) / 2.0
         self.net = nn.Sequential(nn.Linear(action_dim * temporal_ratio, dim), nn.SiLU(), nn.Linear(dim, dim))
 
     def forward(self, latent_actions: torch.Tensor) -> torch.Tensor:
         """[..., r * action_dim] -> [..., dim]."""
-        return self.net(latent_actions)
+        return self.net((latent_actions - self.centre) / self.half_range)

@@ -77,6 +77,7 @@ class CausalWanDiT(nn.Module):
         dit_config: dict,
         *,
         action_dim: int = 0,
+        action_range: tuple[float, float] = (-1.0, 1.0),
         temporal_ratio: int = 4,
         latent_height: int,
         latent_width: int,
@@ -96,7 +97,9 @@ class CausalWanDiT(nn.Module):
         _, ph, pw = self.patch_size
         self.grid = (latent_height // ph, latent_width // pw)
         self.tokens_per_frame = self.grid[0] * self.grid[1]
-        self.action_adapter = ActionAdapter(action_dim, temporal_ratio, self.dim) if action_dim else None
+        self.action_adapter = (
+            ActionAdapter(action_dim, temporal_ratio, self.dim, action_range) if action_dim else None
+        )
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # --- positions ----------------------------------------------------------------------
@@ -257,15 +260,37 @@ class CausalWanDiT(nn.Module):
         timesteps [B, T]; chunk_ids [T] non-decreasing: a frame attends to every frame whose
         chunk id is not larger than its own. Positions are absolute frame indices.
         """
+        t = latents.shape[2]
+        chunk_ids = chunk_ids.to(latents.device)
+        frame_mask = chunk_ids[:, None] >= chunk_ids[None, :]
+        positions = torch.arange(t, device=latents.device)
+        return self.forward_masked(latents, timesteps, text, positions, frame_mask, latent_actions)
+
+    def forward_masked(
+        self,
+        latents: torch.Tensor,
+        timesteps: torch.Tensor,
+        text: CrossKV,
+        positions: torch.Tensor,
+        frame_mask: torch.Tensor,
+        latent_actions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flow [B, C, T, h, w] for frames with explicit temporal positions and frame mask.
+
+        positions [T]: each frame's temporal RoPE position; frame_mask [T, T] bool: query
+        frame i attends to key frame j. Training uses it to put a clean (or noisy) copy of the
+        context next to the frames being denoised, each attending as the cached forward would.
+        """
         dtype = self.transformer.proj_out.weight.dtype
         b, _, t = latents.shape[:3]
         hidden = self.transformer.patch_embedding(latents.to(dtype)).flatten(2).transpose(1, 2).contiguous()
         modulation, temb = self._conditioning(timesteps.float(), latent_actions)
         act = StageActivation(hidden, modulation, temb, num_frames=t)
-        cos, sin = self.rope(t)
-        cos, sin = cos.flatten(0, 1)[:, None], sin.flatten(0, 1)[:, None]  # [T*P, 1, d]
-        token_chunk = chunk_ids.to(hidden.device).repeat_interleave(self.tokens_per_frame)
-        mask = token_chunk[:, None] >= token_chunk[None, :]  # [T*P (query), T*P (key)]
+        positions = positions.to(hidden.device)
+        cos, sin = self.rope(int(positions.max()) + 1)
+        cos, sin = cos[positions].flatten(0, 1)[:, None], sin[positions].flatten(0, 1)[:, None]  # [T*P, 1, d]
+        p = self.tokens_per_frame
+        mask = frame_mask.to(hidden.device).repeat_interleave(p, 0).repeat_interleave(p, 1)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
             return _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)

@@ -19,7 +19,8 @@ class ModelConfig:
     id: str
     # Constructor arguments of diffusers' WanTransformer3DModel.
     dit: dict[str, Any]
-    # Constructor arguments of diffusers' AutoencoderKLWan.
+    # Constructor arguments of diffusers' AutoencoderKLWan, or {"kind": "pixels"} for models
+    # that denoise frames directly (`streamworld.models.pixels`).
     vae: dict[str, Any]
     # Constructor arguments of transformers' UMT5Config; None for models without text.
     text_encoder: dict[str, Any] | None
@@ -34,6 +35,8 @@ class ModelConfig:
     timestep_shift: float = 5.0
     # Map the step list through the shifted flow-matching grid (Self-Forcing's warp).
     warp_denoising_steps: bool = True
+    # What the DiT predicts: "flow" (v = noise - x0) or "x0".
+    prediction: str = "flow"
     # Timestep of the commit pass that writes clean K/V (CausVid's `context_noise`).
     context_timestep: float = 0.0
     # Attention context: the first `sink_frames` latent frames of the stream plus the
@@ -41,6 +44,8 @@ class ModelConfig:
     sink_frames: int = 1
     window_frames: int = 18
     action_dim: int = 0
+    # The range of action values the model was trained on (mapped to [-1, 1] inside it).
+    action_range: tuple[float, float] = (-1.0, 1.0)
     needs_image: bool = False
     kv_modes: tuple[str, ...] = KV_MODES
     default_kv_mode: str = "clean"
@@ -48,6 +53,9 @@ class ModelConfig:
     init_seed: int = 0
     # True for real models: serving them without weights needs an explicit --random-weights.
     requires_weights: bool = False
+    # Weights shipped inside the package (a safetensors file under streamworld/models/weights/),
+    # used when no weight paths are given.
+    builtin_weights: str | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -63,15 +71,26 @@ class ModelConfig:
 
     # --- geometry -------------------------------------------------------------------
     @property
+    def pixel_space(self) -> bool:
+        """True when the latents are the frames themselves (no autoencoder)."""
+        return self.vae.get("kind") == "pixels"
+
+    @property
     def spatial_ratio(self) -> int:
+        if self.pixel_space:
+            return 1
         return 2 ** (len(self.vae.get("dim_mult", (1, 2, 4, 4))) - 1)
 
     @property
     def temporal_ratio(self) -> int:
+        if self.pixel_space:
+            return 1
         return 2 ** sum(bool(x) for x in self.vae.get("temperal_downsample", (False, True, True)))
 
     @property
     def latent_channels(self) -> int:
+        if self.pixel_space:
+            return 3
         return int(self.vae.get("z_dim", 16))
 
     @property

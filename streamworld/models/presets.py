@@ -113,7 +113,48 @@ WAN21_T2V_13B = ModelConfig(
     requires_weights=True,
 )
 
-PRESETS: dict[str, ModelConfig] = {c.id: c for c in (TINY_WAN, WAN21_T2V_13B)}
+# The embedded default model: an action-conditioned PushT world model trained by StreamWorld
+# (`streamworld train pusht`), shipped in the package. It denoises 64x64 frames directly (pixel
+# space, 8x8 patches: 64 tokens per frame) so it runs faster than real time on a CPU; see
+# docs/pusht.md for the choices and the training recipe.
+PUSHT = ModelConfig(
+    id="pusht",
+    description="PushT world model (image + agent-target actions, 64x64 at 10 fps), trained by StreamWorld",
+    dit=dict(
+        patch_size=(1, 8, 8),
+        num_attention_heads=6,
+        attention_head_dim=32,
+        in_channels=3,
+        out_channels=3,
+        text_dim=16,
+        freq_dim=64,
+        ffn_dim=768,
+        num_layers=6,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=1024,
+    ),
+    vae={"kind": "pixels"},
+    text_encoder=None,
+    text_len=1,
+    height=64,
+    width=64,
+    fps=10,
+    latent_frames_per_chunk=4,
+    denoising_steps=(1000.0, 750.0, 500.0, 250.0),
+    timestep_shift=1.0,
+    warp_denoising_steps=False,
+    prediction="x0",
+    sink_frames=1,
+    window_frames=8,
+    action_dim=2,
+    action_range=(0.0, 512.0),
+    needs_image=True,
+    builtin_weights="pusht.safetensors",
+)
+
+PRESETS: dict[str, ModelConfig] = {c.id: c for c in (PUSHT, TINY_WAN, WAN21_T2V_13B)}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -24,14 +24,26 @@ def shift_sigma(sigma: float, shift: float) -> float:
     return shift * sigma / (1.0 + (shift - 1.0) * sigma)
 
 
+PREDICTIONS = ("flow", "x0")
+
+
 @dataclass(frozen=True)
 class FlowSchedule:
     timesteps: tuple[float, ...]
+    # What the DiT outputs: the flow v (Wan, CausVid, Self-Forcing) or the clean sample x0
+    # (better for pixel-space models with large patches, whose flow is mostly noise).
+    prediction: str = "flow"
 
     @classmethod
     def build(
-        cls, steps: tuple[float, ...] | list[float], shift: float = 5.0, warp: bool = True
+        cls,
+        steps: tuple[float, ...] | list[float],
+        shift: float = 5.0,
+        warp: bool = True,
+        prediction: str = "flow",
     ) -> FlowSchedule:
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction must be one of {PREDICTIONS}, got {prediction!r}")
         if not steps:
             raise ValueError("the denoising step list is empty")
         if any(not 0 < s <= NUM_TRAIN_TIMESTEPS for s in steps):
@@ -40,7 +52,7 @@ class FlowSchedule:
             raise ValueError(f"denoising steps must decrease: {list(steps)}")
         if warp:
             steps = [NUM_TRAIN_TIMESTEPS * shift_sigma(s / NUM_TRAIN_TIMESTEPS, shift) for s in steps]
-        return cls(tuple(float(s) for s in steps))
+        return cls(tuple(float(s) for s in steps), prediction)
 
     @property
     def num_steps(self) -> int:
@@ -51,6 +63,9 @@ class FlowSchedule:
         return t / NUM_TRAIN_TIMESTEPS
 
     def x0_from_flow(self, x_t: torch.Tensor, flow: torch.Tensor, step: int) -> torch.Tensor:
+        """The clean estimate from the DiT's output at `step` (a flow, or x0 itself)."""
+        if self.prediction == "x0":
+            return flow
         return x_t - self.sigma(self.timesteps[step]) * flow
 
     def renoise(self, x0: torch.Tensor, noise: torch.Tensor, step: int) -> torch.Tensor:

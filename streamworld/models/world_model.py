@@ -17,6 +17,7 @@ import torch
 from .causal_wan import CausalWanDiT, CrossKV
 from .checkpoint import load_dit_state_dict, load_into
 from .config import ModelConfig
+from .pixels import PixelCodec
 from .schedule import FlowSchedule
 from .text_encoder import TextEncoder
 from .vae import StreamingVAE
@@ -76,7 +77,7 @@ class WorldModel:
         self,
         config: ModelConfig,
         dit: CausalWanDiT,
-        vae: StreamingVAE,
+        vae: StreamingVAE | PixelCodec,
         text_encoder: TextEncoder | None,
         device: torch.device,
         dtype: torch.dtype,
@@ -89,7 +90,7 @@ class WorldModel:
         self.device = device
         self.dtype = dtype
         self.schedule = FlowSchedule.build(
-            config.denoising_steps, config.timestep_shift, config.warp_denoising_steps
+            config.denoising_steps, config.timestep_shift, config.warp_denoising_steps, config.prediction
         )
         self._text_cache: OrderedDict[str, CrossKV] = OrderedDict()
         self._text_cache_size = text_cache_size
@@ -133,10 +134,13 @@ class WorldModel:
                 dit = CausalWanDiT(
                     config.dit,
                     action_dim=config.action_dim,
+                    action_range=config.action_range,
                     temporal_ratio=config.temporal_ratio,
                     latent_height=config.latent_height,
                     latent_width=config.latent_width,
                 )
+        if weights.dit is None and config.builtin_weights is not None and not random_weights:
+            weights = WeightPaths(dit=str(builtin_weights_path(config)), vae=weights.vae)
         if weights.dit is not None:
             state = load_dit_state_dict(weights.dit)
             load_into(dit, _prefix_transformer(state), what=f"DiT checkpoint {weights.dit}")
@@ -144,7 +148,12 @@ class WorldModel:
         _cast(dit, dt)
         dit.eval().requires_grad_(False)
 
-        if weights.vae is not None:
+        vae: StreamingVAE | PixelCodec
+        if config.pixel_space:
+            if weights.vae is not None:
+                raise ValueError(f"model {config.id} works in pixel space and has no VAE to load")
+            vae = PixelCodec()
+        elif weights.vae is not None:
             vae = StreamingVAE.from_pretrained(weights.vae)
         else:
             vae = StreamingVAE.from_config(config, seed=config.init_seed + 1)
@@ -186,6 +195,22 @@ class WorldModel:
     def latent_shape(self, num_frames: int) -> tuple[int, int, int, int]:
         c = self.config
         return (c.latent_channels, num_frames, c.latent_height, c.latent_width)
+
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+
+def builtin_weights_path(config: ModelConfig) -> Path:
+    """The shipped weight file of a model with `builtin_weights`."""
+    if config.builtin_weights is None:
+        raise ValueError(f"model {config.id} ships no weights")
+    path = WEIGHTS_DIR / config.builtin_weights
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"the weights of {config.id} ({path}) are missing from this installation; reinstall "
+            f"StreamWorld, or train them with `streamworld train {config.id}`"
+        )
+    return path
 
 
 def _prefix_transformer(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,10 +16,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from aiohttp import web
@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..engine.engine import AsyncEngine, EngineConfig
 from ..models.config import ModelConfig
 from ..models.world_model import WorldModel
+from ..scenes import FirstFrame, first_frame_source
 from .metrics import Metrics
 from .session import Session, SessionLimits
 
@@ -42,9 +43,9 @@ class ServedModel:
     model: WorldModel
     engine: AsyncEngine
     # Image-to-world models: the first frame used when a session gives none (by seed).
-    first_frame: Callable[[int], np.ndarray] | None = None
+    first_frame: FirstFrame | None = None
 
-    def default_image(self, seed: int) -> np.ndarray | None:
+    def default_image(self, seed: int) -> tuple[np.ndarray, dict[str, Any] | None] | None:
         return None if self.first_frame is None else self.first_frame(seed)
 
 
@@ -70,7 +71,8 @@ class StreamWorldServer:
         self.limits = self.config.limits
         self.engine_config = engine_config or EngineConfig()
         self.models: dict[str, ServedModel] = {
-            mid: ServedModel(model, AsyncEngine(model, self.engine_config)) for mid, model in models.items()
+            mid: ServedModel(model, AsyncEngine(model, self.engine_config), first_frame_source(model.config))
+            for mid, model in models.items()
         }
         self.model_configs: dict[str, ModelConfig] = {mid: m.model.config for mid, m in self.models.items()}
         self.default_model = default_model or next(iter(models))

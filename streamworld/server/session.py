@@ -65,6 +65,8 @@ class Session:
         self.served: ServedModel | None = None
         self.handle = None
         self.start: SessionStart | None = None
+        # What the server's own first frame shows (models with an environment), for session.started.
+        self.scene: dict | None = None
         self.outgoing: deque[ChunkOutput] = deque()
         self.outgoing_ready = asyncio.Event()
         self.started_at = time.monotonic()
@@ -132,12 +134,13 @@ class Session:
         cfg = served.model.config
         image = start.image
         if cfg.needs_image and image is None:
-            image = served.default_image(start.seed)
-            if image is None:
+            default = await asyncio.to_thread(served.default_image, start.seed)
+            if default is None:
                 await self.fail_and_close(
                     ProtocolError("bad_request", f"model {cfg.id} needs an 'image'"), CLOSE_POLICY
                 )
                 return
+            image, self.scene = default
         request = StreamRequest(
             seed=start.seed,
             num_chunks=start.num_chunks,
@@ -270,6 +273,7 @@ class Session:
             "first_chunk_frames": cfg.first_chunk_frames,
             "seed": self.start.seed,
             "action_dim": cfg.action_dim,
+            **({"scene": self.scene} if self.scene is not None else {}),
         }
 
     async def _reader(self) -> None:

@@ -1,0 +1,129 @@
+"""Recording PushT episodes for training: frames and actions, reproducible by seed.
+
+Episode i of a data set with seed s starts from the environment's initial state for seed
+`s * 1_000_003 + i + TRAIN_SEED_BASE` and is driven by `ScriptedPolicy` (pushing and random
+exploration) seeded the same way, so any episode can be regenerated alone. Evaluation uses
+seeds below `TRAIN_SEED_BASE`, so the two never share an initial state.
+
+On disk a data set is a folder with `frames.npy` (uint8 [E, T + 1, S, S, 3]), `actions.npy`
+(float32 [E, T, 2], world units; action t takes frame t to frame t + 1) and `meta.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+TRAIN_SEED_BASE = 1_000_000
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    episodes: int
+    steps: int  # actions per episode (frames = steps + 1)
+    size: int = 64
+    seed: int = 0
+
+    def episode_seed(self, index: int) -> int:
+        return self.seed * 1_000_003 + index + TRAIN_SEED_BASE
+
+
+def record_episode(env_seed: int, policy_seed: int, steps: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32) of one episode."""
+    from .policy import ScriptedPolicy
+    from .world import PushTWorld
+
+    world = PushTWorld(size)
+    policy = ScriptedPolicy(policy_seed)
+    frames = np.empty((steps + 1, size, size, 3), np.uint8)
+    actions = np.empty((steps, 2), np.float32)
+    frames[0] = world.reset(env_seed)
+    for t in range(steps):
+        actions[t] = policy(world.scene)
+        frames[t + 1] = world.step(actions[t])
+    world.close()
+    return frames, actions
+
+
+def _record(args: tuple[int, DatasetSpec]) -> tuple[int, np.ndarray, np.ndarray]:
+    index, spec = args
+    seed = spec.episode_seed(index)
+    frames, actions = record_episode(seed, seed, spec.steps, spec.size)
+    return index, frames, actions
+
+
+def generate_dataset(
+    spec: DatasetSpec, out: str | Path, workers: int | None = None, progress: bool = True
+) -> Path:
+    """Record `spec.episodes` episodes into the folder `out` (created; existing files are replaced)."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    frames = np.lib.format.open_memmap(
+        out / "frames.npy.partial",
+        mode="w+",
+        dtype=np.uint8,
+        shape=(spec.episodes, spec.steps + 1, spec.size, spec.size, 3),
+    )
+    actions = np.empty((spec.episodes, spec.steps, 2), np.float32)
+    workers = workers or max(1, min(os.cpu_count() or 1, 32))
+    start = time.perf_counter()
+    jobs = [(i, spec) for i in range(spec.episodes)]
+    bar = tqdm(total=spec.episodes, desc="recording PushT episodes", unit="episode", disable=not progress)
+    if workers == 1:
+        results = map(_record, jobs)
+        pool = None
+    else:
+        pool = mp.get_context("spawn").Pool(workers)
+        results = pool.imap_unordered(_record, jobs, chunksize=4)
+    try:
+        for index, f, a in results:
+            frames[index] = f
+            actions[index] = a
+            bar.update()
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.close()
+            pool.join()
+    frames.flush()
+    del frames
+    np.save(out / "actions.npy", actions)
+    os.replace(out / "frames.npy.partial", out / "frames.npy")
+    meta = {**asdict(spec), "seconds": round(time.perf_counter() - start, 1), "seed_base": TRAIN_SEED_BASE}
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+@dataclass
+class Dataset:
+    frames: np.ndarray  # uint8 [E, T + 1, S, S, 3] (memory-mapped)
+    actions: np.ndarray  # float32 [E, T, 2]
+    spec: DatasetSpec
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Dataset:
+        folder = Path(folder)
+        meta_path = folder / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{folder} holds no PushT data set (no meta.json); record one with --episodes"
+            )
+        meta = json.loads(meta_path.read_text())
+        spec = DatasetSpec(meta["episodes"], meta["steps"], meta["size"], meta["seed"])
+        frames = np.load(folder / "frames.npy", mmap_mode="r")
+        actions = np.load(folder / "actions.npy")
+        if frames.shape != (spec.episodes, spec.steps + 1, spec.size, spec.size, 3) or actions.shape != (
+            spec.episodes,
+            spec.steps,
+            2,
+        ):
+            raise ValueError(f"{folder}: array shapes {frames.shape}, {actions.shape} do not match meta.json")
+        return cls(frames, actions, spec)

@@ -1,0 +1,220 @@
+"""Evaluating the PushT world model against the real environment (`streamworld eval pusht`).
+
+For every seed: reset the environment to that seed's initial state, drive it with the
+scripted policy for `horizon` steps, and record the true frames and the actions. The model
+gets the first frame and the same actions in lockstep (the sequential reference generator:
+the definition the engine's output equals) and predicts the frames that follow. Per horizon
+h (frames after the first), over all seeds:
+
+- PSNR and SSIM of the prediction against the true frame, and of the copy-first-frame
+  baseline (predicting that nothing moves);
+- the distance, in frame pixels, between where the agent (and the T block) is in the true
+  frame and in the predicted one, both located the same way (`world.locate`), with the
+  baseline's error for comparison, and how often the model lost the object (not visible).
+
+Evaluation seeds are the environment's seeds themselves; training episodes use seeds from
+`data.TRAIN_SEED_BASE` on, so no evaluation scene was seen in training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..engine.reference import GenerationRequest, ReferenceGenerator
+from ..models.world_model import WorldModel
+from .policy import ScriptedPolicy
+from .world import PushTWorld, locate
+
+# The policy seed of evaluation episode `seed` (disjoint from the training data's).
+POLICY_SEED_OFFSET = 500_000
+REPORT_HORIZONS = (1, 2, 4, 8, 16, 24, 32)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0-99', '3', '1,5,9' or '0-9,20-29' -> a sorted list of distinct seeds."""
+    seeds: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise ValueError(f"bad seed range {part!r}: use e.g. 0-99 or 1,5,9") from None
+        if a < 0 or b < a:
+            raise ValueError(f"bad seed range {part!r}: use e.g. 0-99 or 1,5,9")
+        seeds.update(range(a, b + 1))
+    if not seeds:
+        raise ValueError("no seeds given")
+    return sorted(seeds)
+
+
+@dataclass
+class Episode:
+    seed: int
+    frames: np.ndarray  # uint8 [horizon + 1, S, S, 3]: frame 0 and the true future
+    actions: np.ndarray  # float32 [horizon, 2]
+
+
+def record_eval_episode(seed: int, horizon: int, size: int) -> Episode:
+    world = PushTWorld(size)
+    policy = ScriptedPolicy(seed + POLICY_SEED_OFFSET)
+    frames = [world.reset(seed)]
+    actions = []
+    for _ in range(horizon):
+        actions.append(policy(world.scene))
+        frames.append(world.step(actions[-1]))
+    world.close()
+    return Episode(seed, np.stack(frames), np.asarray(actions, np.float32))
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else 10.0 * math.log10(255.0**2 / mse)
+
+
+def _gaussian_window(size: int = 7, sigma: float = 1.5) -> torch.Tensor:
+    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
+    g = torch.exp(-(x**2) / (2 * sigma**2))
+    g = g / g.sum()
+    return (g[:, None] * g[None, :]).expand(3, 1, size, size).contiguous()
+
+
+_WINDOW = _gaussian_window()
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM of two RGB uint8 images (Gaussian window 7, sigma 1.5, per channel, valid region)."""
+    x = torch.from_numpy(a).double().permute(2, 0, 1)[None]
+    y = torch.from_numpy(b).double().permute(2, 0, 1)[None]
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+
+    def blur(t: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(t, _WINDOW, groups=3)
+
+    mx, my = blur(x), blur(y)
+    sxx = blur(x * x) - mx * mx
+    syy = blur(y * y) - my * my
+    sxy = blur(x * y) - mx * my
+    value = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
+    return float(value.mean())
+
+
+def _distance(p: tuple[float, float] | None, q: tuple[float, float] | None) -> float:
+    if p is None or q is None:
+        return float("nan")
+    return float(math.hypot(p[0] - q[0], p[1] - q[1]))
+
+
+def _nanmean(values: list[float]) -> float:
+    """Mean of the finite values; nan when none is (an object never visible)."""
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
+def frame_metrics(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
+    lp, lt = locate(pred), locate(true)
+    return {
+        "psnr": psnr(pred, true),
+        "ssim": ssim(pred, true),
+        "agent_px": _distance(lp.agent, lt.agent),
+        "block_px": _distance(lp.block, lt.block),
+        "agent_lost": float(lt.agent is not None and lp.agent is None),
+        "block_lost": float(lt.block is not None and lp.block is None),
+    }
+
+
+def evaluate(
+    model: WorldModel,
+    seeds: list[int],
+    kv_modes: list[str],
+    horizon: int = 32,
+    noise_seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Per-horizon metrics of the model in each KV mode and of the copy-first-frame baseline."""
+    from tqdm import tqdm
+
+    cfg = model.config
+    if cfg.id != "pusht" and cfg.action_dim != 2:
+        raise ValueError(f"model {cfg.id} is not a PushT model")
+    fpc = cfg.frames_per_chunk
+    num_chunks = math.ceil(horizon / fpc)
+    generator = ReferenceGenerator(model)
+    rows: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in kv_modes}
+    baseline: list[list[dict[str, float]]] = []
+    seconds = {mode: 0.0 for mode in kv_modes}
+    bar = tqdm(
+        total=len(seeds) * len(kv_modes), desc="evaluating pusht", unit="rollout", disable=not progress
+    )
+    for seed in seeds:
+        ep = record_eval_episode(seed, num_chunks * fpc, cfg.height)
+        baseline.append([frame_metrics(ep.frames[0], ep.frames[h]) for h in range(1, horizon + 1)])
+        for mode in kv_modes:
+            start = time.perf_counter()
+            result = generator.generate(
+                GenerationRequest(
+                    seed=noise_seed,
+                    num_chunks=num_chunks,
+                    image=ep.frames[0],
+                    actions=ep.actions,
+                    kv_mode=mode,
+                )
+            )
+            seconds[mode] += time.perf_counter() - start
+            pred = result.frames  # [num_chunks * fpc, S, S, 3]: frames 1..
+            rows[mode].append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
+            bar.update()
+    bar.close()
+
+    def summarise(per_seed: list[list[dict[str, float]]]) -> dict[str, list[float]]:
+        keys = per_seed[0][0].keys()
+        return {k: [round(_nanmean([s[h][k] for s in per_seed]), 4) for h in range(horizon)] for k in keys}
+
+    return {
+        "model": cfg.id,
+        "seeds": [seeds[0], seeds[-1]] if seeds == list(range(seeds[0], seeds[-1] + 1)) else seeds,
+        "num_seeds": len(seeds),
+        "horizon": horizon,
+        "frame_size": cfg.height,
+        "denoising_steps": cfg.num_steps,
+        "baseline": summarise(baseline),
+        "modes": {mode: summarise(rows[mode]) for mode in kv_modes},
+        "generation_fps": {
+            mode: round(len(seeds) * num_chunks * fpc / seconds[mode], 1) for mode in kv_modes
+        },
+    }
+
+
+def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) -> str:
+    """The report as a Markdown table: one row per (predictor, horizon)."""
+    hs = [h for h in horizons if h <= report["horizon"]]
+    lines = [
+        "| predictor | metric | " + " | ".join(f"h={h}" for h in hs) + " |",
+        "|---|---|" + "---|" * len(hs),
+    ]
+    metrics = [
+        ("psnr", "PSNR (dB)", 2),
+        ("ssim", "SSIM", 3),
+        ("agent_px", "agent error (px)", 2),
+        ("block_px", "block error (px)", 2),
+        ("agent_lost", "agent lost (share)", 2),
+    ]
+    predictors = [("copy first frame", report["baseline"])] + [
+        (f"model, {m}", v) for m, v in report["modes"].items()
+    ]
+    for name, values in predictors:
+        for key, label, digits in metrics:
+            if name == "copy first frame" and key == "agent_lost":
+                continue
+            cells = [f"{values[key][h - 1]:.{digits}f}" for h in hs]
+            lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,394 @@
+"""Training the PushT world model (`streamworld train pusht`).
+
+The model is the causal Wan DiT the server runs (`streamworld.models`), trained with flow
+matching on recorded episodes (`streamworld.pusht.data`). One training sample is an
+episode's first frame (the sink, always clean, as the served model's first-image prefill),
+then a clip of L = window + chunk frames, twice:
+
+    [ sink | context copy of the clip | the clip being denoised ]
+
+The clip being denoised attends, chunk by chunk, to the sink, to the context copy of the
+earlier chunks inside the attention window, and to its own chunk, with the temporal
+positions the cached forward gives them; the context copy attends the same way among
+itself. What the context copy holds decides which KV mode a sample trains for:
+
+- `clean`: the true frames, timestep 0 (the commit pass of `clean` mode);
+- `final`: the true frames noised to the last denoising step's level (`final` mode keeps
+  the K/V of each chunk's last step);
+- `noisy`: the very latents being denoised, every chunk at one shared level (`noisy` mode
+  reads the K/V earlier chunks wrote at the same step).
+
+Noise levels are drawn half from the served step list and half uniformly. Clips start at
+the episode start (every chunk then has its exact serving context) or anywhere later (then
+only the last chunk, whose window is full, is trained: it stands for the steady state where
+the sink is an old frame).
+
+Runs are bounded in wall time (`minutes`) and resume from `checkpoint.pt` in the work
+folder, so a long schedule spans several short runs; the learning-rate schedule follows the
+global step. The exported weights are the EMA weights in float16, in the checkpoint layout
+`WorldModel.load` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from ..models.config import ModelConfig
+from ..models.kv import context_frame_indices
+from ..models.world_model import WorldModel, resolve_device
+from .data import Dataset, DatasetSpec, generate_dataset
+
+REGIMES = ("clean", "final", "noisy")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 64
+    total_steps: int = 12_000
+    lr: float = 3e-4
+    warmup_steps: int = 300
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    # Share of clips that start at the episode's first step.
+    start_share: float = 0.3
+    # How often each KV-mode regime is drawn (clean, final, noisy).
+    regime_weights: tuple[float, float, float] = (0.4, 0.25, 0.35)
+    # Share of noise levels drawn from the served step list (the rest are uniform).
+    discrete_share: float = 0.5
+    seed: int = 0
+    checkpoint_every: int = 500
+    log_every: int = 100
+
+
+def clip_length(config: ModelConfig) -> int:
+    """Frames in a training clip: the attention window plus one chunk, in whole chunks."""
+    chunk = config.latent_frames_per_chunk
+    return (config.window_frames + chunk) // chunk * chunk
+
+
+def clip_layout(config: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Temporal positions [1 + 2L] and frame mask [1 + 2L, 1 + 2L] of [sink | context copy | clip].
+
+    Chunk c of either copy sees what the cached forward shows its first frame: the sink and
+    the window's frames (from the context copy), plus its own chunk.
+    """
+    n, chunk = clip_length(config), config.latent_frames_per_chunk
+    total = 1 + 2 * n
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    mask[0, 0] = True
+    for c in range(n // chunk):
+        first = 1 + c * chunk
+        own = list(range(first, first + chunk))
+        context = context_frame_indices(first, config.sink_frames, config.window_frames)
+        for q in own:
+            mask[q, context] = True
+            mask[q, own] = True
+            mask[q + n, context] = True
+            mask[q + n, [o + n for o in own]] = True
+    positions = torch.cat([torch.arange(n + 1), torch.arange(1, n + 1)])
+    return positions.to(device), mask.to(device)
+
+
+class ClipBatcher:
+    """Draws training samples from a data set held on the training device."""
+
+    def __init__(
+        self,
+        data: Dataset,
+        config: ModelConfig,
+        device: torch.device,
+        generator: torch.Generator,
+        start_share: float,
+    ) -> None:
+        if data.spec.size != config.height or config.height != config.width:
+            raise ValueError(
+                f"data set frames are {data.spec.size}px; model {config.id} needs {config.height}px"
+            )
+        self.chunk = config.latent_frames_per_chunk
+        self.window = config.window_frames
+        if config.sink_frames != 1:
+            raise ValueError("the PushT recipe assumes one sink frame (the first image)")
+        self.positions, self.frame_mask = clip_layout(config, device)
+        self.clip = (len(self.positions) - 1) // 2
+        self.num_chunks = self.clip // self.chunk
+        if data.spec.steps < self.clip + 1:
+            raise ValueError(
+                f"episodes need at least {self.clip + 1} steps for this model, have {data.spec.steps}"
+            )
+        self.frames = torch.from_numpy(np.array(data.frames)).to(device)  # uint8 [E, T+1, S, S, 3]
+        self.actions = torch.from_numpy(data.actions).to(device)  # [E, T, 2]
+        self.device = device
+        self.gen = generator
+        self.start_share = start_share
+        self.steps = data.spec.steps
+        # Chunks whose attention window is full: the only ones trained on clips that start late.
+        first_frames = [1 + c * self.chunk for c in range(self.num_chunks)]
+        self.full_window = torch.tensor([f >= 1 + self.window for f in first_frames], device=device)
+
+    def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
+        g, dev, n = self.gen, self.device, self.clip
+        episodes = torch.randint(0, self.frames.shape[0], (batch_size,), generator=g, device=dev)
+        late = torch.randint(2, self.steps - n + 2, (batch_size,), generator=g, device=dev)
+        at_start = torch.rand(batch_size, generator=g, device=dev) < self.start_share
+        start = torch.where(at_start, torch.ones_like(late), late)
+        index = start[:, None] + torch.arange(n, device=dev)  # video frames of the clip
+        clip = self.frames[episodes[:, None], index]  # [B, L, S, S, 3]
+        sink = self.frames[episodes, 0][:, None]
+        frames = torch.cat([sink, clip], 1).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # [B, 3, 1+L, S, S]
+        actions = self.actions[episodes[:, None], index - 1]  # action that produced each clip frame
+        loss_chunks = at_start[:, None] | self.full_window[None, :]  # [B, chunks]
+        return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        train_config: TrainConfig,
+        data: Dataset,
+        workdir: str | Path,
+        device: str = "auto",
+        init: str | Path | None = None,
+    ) -> None:
+        self.mcfg = model_config
+        self.cfg = train_config
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.device = resolve_device(device)
+        model = WorldModel.load(model_config, random_weights=True, device=self.device, dtype=torch.float32)
+        if init is not None:
+            # Fine-tuning: start from exported weights (ignored when resuming a checkpoint).
+            from ..models.checkpoint import load_dit_state_dict, load_into
+            from ..models.world_model import _prefix_transformer
+
+            load_into(model.dit, _prefix_transformer(load_dit_state_dict(str(init))), what=f"--init {init}")
+        self.dit = model.dit.requires_grad_(True).train()
+        self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)
+        self.ema = {k: v.detach().clone() for k, v in self.dit.state_dict().items()}
+        decay, no_decay = [], []
+        for name, p in self.dit.named_parameters():
+            (no_decay if p.ndim < 2 or "norm" in name or "table" in name else decay).append(p)
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": train_config.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=train_config.lr,
+            betas=(0.9, 0.99),
+        )
+        self.step = 0
+        self.gen = torch.Generator(device=self.device).manual_seed(train_config.seed)
+        self.batcher = ClipBatcher(data, model_config, self.device, self.gen, train_config.start_share)
+        self.text_zeros = torch.zeros(
+            model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
+        )
+        self.history: list[dict] = []
+        self._load_checkpoint()
+
+    # --- checkpoints ------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.workdir / "checkpoint.pt"
+
+    def _load_checkpoint(self) -> None:
+        if not self.checkpoint_path.is_file():
+            return
+        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        if state["model_config"] != asdict(self.mcfg):
+            raise ValueError(
+                f"{self.checkpoint_path} was trained for a different model configuration; "
+                "use another --workdir"
+            )
+        self.dit.load_state_dict(state["dit"])
+        self.ema = state["ema"]
+        self.opt.load_state_dict(state["opt"])
+        self.step = state["step"]
+        self.history = state.get("history", [])
+        self.gen.set_state(state["rng"].cpu())
+
+    def save_checkpoint(self) -> None:
+        state = {
+            "dit": self.dit.state_dict(),
+            "ema": self.ema,
+            "opt": self.opt.state_dict(),
+            "step": self.step,
+            "history": self.history,
+            "rng": self.gen.get_state(),
+            "model_config": asdict(self.mcfg),
+            "train_config": asdict(self.cfg),
+        }
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.checkpoint_path)
+
+    def export(self, path: str | Path) -> Path:
+        """EMA weights, float16, in the layout `WorldModel.load` reads (diffusers transformer keys)."""
+        out = {}
+        for key, value in self.ema.items():
+            name = key[len("transformer.") :] if key.startswith("transformer.") else key
+            out[name] = value.detach().to("cpu", torch.float16).contiguous()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"model": self.mcfg.id, "step": str(self.step), "train_config": json.dumps(asdict(self.cfg))}
+        safetensors.torch.save_file(out, str(path), metadata=meta)
+        return path
+
+    # --- one step ---------------------------------------------------------------------
+    def _sigmas(self, b: int, chunks: int) -> torch.Tensor:
+        g, dev = self.gen, self.device
+        uniform = torch.rand(b, chunks, generator=g, device=dev).clamp_min(1e-3)
+        discrete = self.steps_sigma[
+            torch.randint(0, len(self.steps_sigma), (b, chunks), generator=g, device=dev)
+        ]
+        pick = torch.rand(b, chunks, generator=g, device=dev) < self.cfg.discrete_share
+        return torch.where(pick, discrete, uniform)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        g, dev = self.gen, self.device
+        frames, actions = batch["frames"], batch["actions"]
+        b = frames.shape[0]
+        n, chunk = self.batcher.clip, self.batcher.chunk
+        chunks = n // chunk
+        sink, x0 = frames[:, :, :1], frames[:, :, 1:]
+        weights = torch.tensor(self.cfg.regime_weights, device=dev)
+        regime = torch.multinomial(weights, b, replacement=True, generator=g)  # 0 clean, 1 final, 2 noisy
+        sigma = self._sigmas(b, chunks)
+        sigma = torch.where((regime == 2)[:, None], sigma[:, :1].expand(-1, chunks), sigma)
+        sigma_f = sigma.repeat_interleave(chunk, 1)  # [B, L]
+        noise = torch.randn(x0.shape, generator=g, device=dev)
+        s = sigma_f[:, None, :, None, None]
+        x_t = (1 - s) * x0 + s * noise
+        last = self.steps_sigma[-1]
+        ctx_noise = torch.randn(x0.shape, generator=g, device=dev)
+        ctx_final = (1 - last) * x0 + last * ctx_noise
+        r = regime[:, None, None, None, None]
+        ctx = torch.where(r == 0, x0, torch.where(r == 1, ctx_final, x_t))
+        ctx_sigma = torch.where(
+            (regime == 0)[:, None],
+            torch.zeros_like(sigma_f),
+            torch.where((regime == 1)[:, None], last.expand_as(sigma_f), sigma_f),
+        )
+        latents = torch.cat([sink, ctx, x_t], 2)
+        timesteps = torch.cat([torch.zeros(b, 1, device=dev), ctx_sigma, sigma_f], 1) * 1000.0
+        zero = torch.zeros(b, 1, actions.shape[-1], device=dev)
+        latent_actions = torch.cat([zero, actions, actions], 1)
+        text = self.dit.prepare_text(self.text_zeros)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            flow = self.dit.forward_masked(
+                latents, timesteps, text, self.batcher.positions, self.batcher.frame_mask, latent_actions
+            )
+        pred = flow[:, :, 1 + n :].float()
+        target = x0 if self.mcfg.prediction == "x0" else noise - x0
+        err = (pred - target).pow(2).mean(dim=(1, 3, 4))  # [B, L]
+        mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
+        loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
+        stats = {}
+        with torch.no_grad():
+            per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+            for i, name in enumerate(REGIMES):
+                sel = regime == i
+                if sel.any():
+                    stats[f"loss_{name}"] = float(per_sample[sel].mean())
+        return loss, stats
+
+    def train_step(self) -> dict[str, float]:
+        lr = _lr_at(self.step, self.cfg)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        batch = self.batcher.sample(self.cfg.batch_size)
+        loss, stats = self.loss(batch)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.dit.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.step += 1
+        decay = min(self.cfg.ema_decay, (1 + self.step) / (10 + self.step))
+        with torch.no_grad():
+            for k, v in self.dit.state_dict().items():
+                if v.dtype.is_floating_point:
+                    self.ema[k].lerp_(v, 1 - decay)
+                else:
+                    self.ema[k].copy_(v)
+        return {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm), **stats}
+
+    def run(self, minutes: float, progress: bool = True) -> dict:
+        """Train until `total_steps` or `minutes` of wall time, checkpointing on the way."""
+        from tqdm import tqdm
+
+        start = time.perf_counter()
+        deadline = start + minutes * 60.0
+        first = self.step
+        bar = tqdm(
+            total=self.cfg.total_steps,
+            initial=self.step,
+            desc="training pusht",
+            unit="step",
+            disable=not progress,
+        )
+        window: list[dict] = []
+        try:
+            while self.step < self.cfg.total_steps and time.perf_counter() < deadline:
+                window.append(self.train_step())
+                bar.update()
+                if self.step % self.cfg.log_every == 0 or self.step == self.cfg.total_steps:
+                    entry = {"step": self.step, **_mean(window)}
+                    self.history.append(entry)
+                    bar.set_postfix(loss=f"{entry['loss']:.4f}")
+                    window = []
+                if self.step % self.cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
+            self.save_checkpoint()
+        elapsed = time.perf_counter() - start
+        return {
+            "steps_this_run": self.step - first,
+            "step": self.step,
+            "total_steps": self.cfg.total_steps,
+            "seconds": round(elapsed, 1),
+            "steps_per_second": round((self.step - first) / max(elapsed, 1e-9), 2),
+            "last": self.history[-1] if self.history else None,
+        }
+
+
+def _mean(rows: list[dict]) -> dict[str, float]:
+    keys = {k for r in rows for k in r}
+    return {
+        k: round(sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r), 5) for k in sorted(keys)
+    }
+
+
+def prepare_data(
+    folder: str | Path, spec: DatasetSpec, workers: int | None = None, progress: bool = True
+) -> Dataset:
+    """The data set in `folder`, recorded first when it is not there yet."""
+    folder = Path(folder)
+    if not (folder / "meta.json").is_file():
+        generate_dataset(spec, folder, workers=workers, progress=progress)
+    data = Dataset.load(folder)
+    if data.spec != spec:
+        print(f"note: using the data set already in {folder} ({data.spec}), not {spec}")
+    return data
+
+
+def smoke_config(config: ModelConfig) -> ModelConfig:
+    """A much smaller model with the same geometry, for CPU smoke runs and tests."""
+    dit = {**config.dit, "num_layers": 2, "num_attention_heads": 2, "ffn_dim": 64}
+    return replace(config, dit=dit, builtin_weights=None)

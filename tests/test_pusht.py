@@ -1,0 +1,206 @@
+"""The embedded PushT model: environment, data, training CLI, evaluation, serving and the robot loop."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from streamworld.cli import main as cli_main
+from streamworld.client import StreamWorldClient
+from streamworld.engine.engine import AsyncEngine, EngineConfig
+from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+from streamworld.engine.stream import StreamRequest
+from streamworld.models import get_preset
+from streamworld.models.world_model import WorldModel, builtin_weights_path
+from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset, record_episode
+from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, psnr, ssim
+from streamworld.pusht.policy import ScriptedPolicy
+from streamworld.pusht.world import PushTWorld, initial_frame, locate
+from streamworld.server.app import ServerConfig, StreamWorldServer
+from tests.test_engine import assert_matches, collect, engine_config
+from tests.test_server import RunningServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pusht() -> WorldModel:
+    return WorldModel.load(get_preset("pusht"))
+
+
+# --- environment, policy, data -----------------------------------------------------------
+def test_frames_are_reproducible_by_seed_and_locate_finds_the_agent():
+    a, scene_a = initial_frame(7)
+    b, scene_b = initial_frame(7)
+    c, _ = initial_frame(8)
+    assert a.shape == (64, 64, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b) and scene_a == scene_b
+    assert not np.array_equal(a, c)
+    world, policy = PushTWorld(64), ScriptedPolicy(3)
+    world.reset(3)
+    for _ in range(20):
+        frame = world.step(policy(world.scene))
+        found = locate(frame).agent
+        x, y = world.scene.agent
+        assert found is not None and np.hypot(found[0] - x / 8, found[1] - y / 8) < 0.3
+
+
+def test_locate_reports_a_missing_agent():
+    blank = np.full((64, 64, 3), 255, np.uint8)
+    assert locate(blank).agent is None and locate(blank).block is None
+
+
+def test_dataset_is_reproducible_and_episodes_regenerate_alone(tmp_path):
+    spec = DatasetSpec(episodes=3, steps=12, size=64, seed=5)
+    generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
+    data = Dataset.load(tmp_path / "d")
+    assert data.frames.shape == (3, 13, 64, 64, 3) and data.actions.shape == (3, 12, 2)
+    frames, actions = record_episode(spec.episode_seed(2), spec.episode_seed(2), 12, 64)
+    assert np.array_equal(data.frames[2], frames) and np.array_equal(data.actions[2], actions)
+    assert np.all((data.actions >= 0) & (data.actions <= 512))
+    # The actions move the agent: frames change over an episode.
+    assert np.abs(data.frames[0, -1].astype(int) - data.frames[0, 0]).sum() > 0
+
+
+def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, capsys):
+    work = tmp_path / "w"
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]) == 0
+    first = json.loads((work / "train_summary.json").read_text())
+    assert first["step"] == 2
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "4"]) == 0
+    second = json.loads((work / "train_summary.json").read_text())
+    assert second["step"] == 4 and second["steps_this_run"] == 2  # resumed, not restarted
+    from streamworld.models.world_model import WeightPaths
+    from streamworld.pusht.train import smoke_config
+
+    model = WorldModel.load(
+        smoke_config(get_preset("pusht")), WeightPaths(dit=str(work / "pusht.safetensors"))
+    )
+    assert model.dit.action_adapter is not None
+
+
+def test_train_cli_rejects_bad_arguments(tmp_path, capsys):
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), "--minutes", "0"]) == 2
+    assert "--minutes" in capsys.readouterr().err
+
+
+# --- the shipped model -------------------------------------------------------------------
+def test_shipped_weights_are_small_and_load_exactly(pusht):
+    path = builtin_weights_path(pusht.config)
+    assert path.stat().st_size <= 16 * 1024 * 1024
+    # Loading is strict (every key, every shape), and the weights are not the seeded init.
+    random = WorldModel.load(get_preset("pusht"), random_weights=True)
+    w, r = pusht.dit.transformer.proj_out.weight, random.dit.transformer.proj_out.weight
+    assert not torch.equal(w, r)
+
+
+@pytest.mark.parametrize("kv_mode", ["clean", "final", "noisy"])
+async def test_engine_serves_pusht_exactly_in_every_kv_mode(pusht, kv_mode):
+    image, _ = initial_frame(1)
+    actions = np.random.default_rng(0).uniform(100, 400, (8, 2)).astype(np.float32)
+    async with AsyncEngine(pusht, engine_config()) as engine:
+        handles = [
+            engine.open_stream(
+                StreamRequest(seed=s, num_chunks=2, image=image, actions=actions, kv_mode=kv_mode)
+            )
+            for s in (0, 1)
+        ]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+    gen = ReferenceGenerator(pusht)
+    for seed, outputs in zip((0, 1), results, strict=True):
+        expected = gen.generate(
+            GenerationRequest(seed=seed, num_chunks=2, image=image, actions=actions, kv_mode=kv_mode)
+        )
+        assert_matches(outputs, expected)
+
+
+def test_metrics_and_seed_ranges():
+    a, _ = initial_frame(0)
+    b, _ = initial_frame(1)
+    assert psnr(a, a) == 99.0 and ssim(a, a) == pytest.approx(1.0)
+    assert psnr(a, b) < 40 and ssim(a, b) < 1.0
+    assert parse_seeds("0-3,7") == [0, 1, 2, 3, 7]
+    for bad in ("", "5-2", "x"):
+        with pytest.raises(ValueError):
+            parse_seeds(bad)
+
+
+def test_evaluate_reports_every_horizon_for_model_and_baseline(pusht):
+    report = evaluate(pusht, [0, 1], ["clean", "noisy"], horizon=8, progress=False)
+    assert set(report["modes"]) == {"clean", "noisy"}
+    for values in [report["baseline"], *report["modes"].values()]:
+        assert len(values["psnr"]) == 8 and all(np.isfinite(values["psnr"]))
+    # The baseline at horizon 1 is the true frame 0 against frame 1: nearly identical.
+    assert report["baseline"]["psnr"][0] > 30
+    table = markdown_table(report)
+    assert "copy first frame" in table and "model, noisy" in table and "h=8" in table
+
+
+def test_eval_cli_writes_json(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    code = cli_main(
+        ["eval", "pusht", "--seeds", "0-1", "--horizon", "4", "--kv-mode", "final", "--json", str(out)]
+    )
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["num_seeds"] == 2 and list(report["modes"]) == ["final"]
+    assert "| model, final |" in capsys.readouterr().out
+
+
+def test_generate_cli_starts_pusht_from_the_environment(tmp_path):
+    out = tmp_path / "clip.npy"
+    assert cli_main(["generate", "--model", "pusht", "--chunks", "1", "--seed", "4", "--out", str(out)]) == 0
+    assert np.load(out).shape == (4, 64, 64, 3)
+
+
+# --- serving and the robot loop ------------------------------------------------------------
+@pytest.fixture
+async def pusht_server(pusht):
+    # Real-time pacing (the default scheduler): the robot loop's stream is interactive, and
+    # interactive streams start just in time for their playback deadlines.
+    server = StreamWorldServer(
+        {"pusht": pusht}, EngineConfig(max_streams=4), ServerConfig(), default_model="pusht"
+    )
+    running = await RunningServer(server.build_app()).start()
+    yield f"ws://127.0.0.1:{running.port}/v1/stream"
+    await running.close()
+
+
+async def test_session_without_image_starts_from_the_environment_of_its_seed(pusht, pusht_server):
+    actions = np.tile([[300.0, 200.0]], (8, 1))
+    async with StreamWorldClient(
+        pusht_server, seed=6, num_chunks=2, format="rgb", action_policy="wait"
+    ) as client:
+        assert client.info.model == "pusht"
+        image, scene = initial_frame(6)
+        assert client.info.raw["scene"] == scene.to_json()
+        await client.send_actions(actions, frame=0)
+        frames = np.concatenate([c.frames async for c in client.chunks()])
+    expected = ReferenceGenerator(pusht).generate(
+        GenerationRequest(seed=6, num_chunks=2, image=image, actions=actions.astype(np.float32))
+    )
+    assert np.abs(frames.astype(int) - expected.frames.astype(int)).max() <= 2
+
+
+async def test_robot_loop_example_runs_against_a_server(pusht_server, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("robot_loop", ROOT / "examples" / "robot_loop.py")
+    robot_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(robot_loop)
+    video = tmp_path / "loop.mp4"
+    args = robot_loop.build_parser().parse_args(
+        ["--url", pusht_server, "--chunks", "2", "--video", str(video)]
+    )
+    assert await robot_loop.run(args) == 0
+    out = capsys.readouterr().out
+    assert "loop latency" in out and video.stat().st_size > 0
+    import av
+
+    with av.open(str(video)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 8 and frames[0].shape == (256, 512, 3)

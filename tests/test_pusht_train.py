@@ -1,0 +1,91 @@
+"""The PushT training forward trains exactly what the cached serving forward computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamworld.engine.reference import ContiguousKVCache
+from streamworld.models.causal_wan import ChunkInput
+from streamworld.models.presets import PUSHT
+from streamworld.models.world_model import WorldModel
+from streamworld.pusht.train import clip_layout, clip_length, smoke_config
+
+
+@pytest.fixture(scope="module")
+def model() -> WorldModel:
+    return WorldModel.load(smoke_config(PUSHT), random_weights=True)
+
+
+def _sample(cfg, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    n = clip_length(cfg)
+    shape = (3, n, cfg.height, cfg.width)
+    return (
+        torch.rand((3, 1, cfg.height, cfg.width), generator=g) * 2 - 1,  # sink
+        torch.rand(shape, generator=g) * 2 - 1,  # clean clip
+        torch.randn(shape, generator=g),  # noise
+        torch.rand((n, 2), generator=g) * 512,  # actions
+    )
+
+
+@pytest.mark.parametrize("regime", ["clean", "noisy"])
+def test_training_layout_equals_cached_forward(model: WorldModel, regime: str) -> None:
+    cfg, dit = model.config, model.dit
+    chunk, n = cfg.latent_frames_per_chunk, clip_length(cfg)
+    assert n > cfg.window_frames, "the clip must reach a full window, where frames start leaving it"
+    sink, x0, noise, actions = _sample(cfg, 0)
+    sigma = (
+        torch.tensor([0.9, 0.5, 0.3]).repeat_interleave(chunk)[:n]
+        if regime == "clean"
+        else torch.full((n,), 0.6)
+    )
+    x_t = (1 - sigma[None, :, None, None]) * x0 + sigma[None, :, None, None] * noise
+    ctx, ctx_t = (x0, torch.zeros(n)) if regime == "clean" else (x_t, sigma)
+    text = model.text_context("")
+
+    # Training layout: one forward over [sink | context copy | clip].
+    positions, mask = clip_layout(cfg)
+    latents = torch.cat([sink, ctx, x_t], 1)[None]
+    timesteps = torch.cat([torch.zeros(1), ctx_t * 1000, sigma * 1000])[None]
+    acts = torch.cat([torch.zeros(1, 2), actions, actions])[None]
+    with torch.no_grad():
+        trained = dit.forward_masked(latents, timesteps, text, positions, mask, acts)[0, :, 1 + n :]
+
+    # Serving: prefill the sink, then chunk by chunk through a K/V cache with eviction.
+    cache = ContiguousKVCache(1, cfg.num_layers, cfg.tokens_per_frame, cfg.sink_frames, cfg.window_frames)
+    served = []
+    with torch.no_grad():
+        dit.forward_chunk([ChunkInput(sink, torch.zeros(1), text, cache.view(0, 0, (0,)), torch.zeros(1, 2))])
+        for c in range(n // chunk):
+            first, sl = 1 + c * chunk, slice(c * chunk, (c + 1) * chunk)
+            write = (0,) if regime == "noisy" else ()
+            unit = ChunkInput(x_t[:, sl], sigma[sl] * 1000, text, cache.view(first, 0, write), actions[sl])
+            served.append(dit.forward_chunk([unit])[0])
+            if regime == "clean":
+                commit = ChunkInput(
+                    x0[:, sl], torch.zeros(chunk), text, cache.view(first, 0, (0,)), actions[sl]
+                )
+                dit.forward_chunk([commit])
+            cache.evict(first + chunk)
+    served = torch.cat(served, 1)
+    assert served.shape == trained.shape
+    torch.testing.assert_close(trained, served, rtol=1e-4, atol=1e-4)
+
+
+def test_layout_mask_matters(model: WorldModel) -> None:
+    """A mask that lets the last chunk see the whole clip changes its output (the test can fail)."""
+    cfg, dit = model.config, model.dit
+    n = clip_length(cfg)
+    sink, x0, noise, actions = _sample(cfg, 1)
+    positions, mask = clip_layout(cfg)
+    loose = mask.clone()
+    loose[1 + n :, : 1 + n] = True
+    latents = torch.cat([sink, x0, noise], 1)[None]
+    timesteps = torch.cat([torch.zeros(1 + n), torch.full((n,), 1000.0)])[None]
+    acts = torch.cat([torch.zeros(1, 2), actions, actions])[None]
+    text = model.text_context("")
+    with torch.no_grad():
+        a = dit.forward_masked(latents, timesteps, text, positions, mask, acts)
+        b = dit.forward_masked(latents, timesteps, text, positions, loose, acts)
+    assert (a[:, :, -1] - b[:, :, -1]).abs().max() > 1e-3

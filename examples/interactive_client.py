@@ -7,8 +7,8 @@ client-side time since the previous chunk. Actions come from a JSON file (`--act
 the session is stopped, the chunks already under way are received, and the mp4 is written.
 
     streamworld serve --model pusht --model tiny-wan                      # in another terminal
-    python examples/interactive_client.py --model pusht --image first.png --keyboard
-    python examples/interactive_client.py --model pusht --image first.png --actions moves.json
+    python examples/interactive_client.py --keyboard                      # pusht, from its seed's scene
+    python examples/interactive_client.py --seed 3 --actions moves.json --out moves.mp4
     python examples/interactive_client.py --model tiny-wan --chunks 2 --out /tmp/x.mp4
 """
 

@@ -8,6 +8,7 @@ embedded PushT world model) and `models` (the model presets).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -52,6 +53,21 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="PyTorch CPU threads (default: PyTorch's, one per core). On a 2-core CPU, 1 makes one "
+        "pusht stream through the engine 1.4x faster (docs/benchmarks.md)",
+    )
+
+
+def _apply_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     train.add_argument("--out", metavar="PATH", help="exported weights (default WORKDIR/pusht.safetensors)")
     train.add_argument(
+        "--prediction",
+        choices=("flow", "x0"),
+        help="what the DiT learns to output (default: the preset's, x0); the served preset must match",
+    )
+    train.add_argument(
         "--init",
         metavar="PATH",
         help="start from these exported weights (fine-tuning) instead of random ones",
@@ -249,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_model(args: argparse.Namespace):
+    _apply_threads(args)
     from .models import get_preset
     from .models.world_model import WeightPaths, WorldModel
 
@@ -370,6 +392,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("each --model may be given once")
     if args.max_sessions < 1 or args.max_queue < 0:
         raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
+    _apply_threads(args)
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
     models = {}
     for mid in model_ids:
@@ -450,6 +473,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .pusht.train import TrainConfig, Trainer, prepare_data, smoke_config
 
     config = get_preset(args.model)
+    if args.prediction is not None:
+        config = dataclasses.replace(config, prediction=args.prediction)
     workdir = Path(args.workdir)
     spec = DatasetSpec(
         episodes=args.episodes, steps=args.steps_per_episode, size=config.height, seed=args.data_seed

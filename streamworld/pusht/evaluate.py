@@ -194,6 +194,10 @@ def evaluate(
     }
 
 
+def _cell(value: float, digits: int) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+
+
 def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) -> str:
     """The report as a Markdown table: one row per (predictor, horizon)."""
     hs = [h for h in horizons if h <= report["horizon"]]
@@ -215,6 +219,6 @@ def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) ->
         for key, label, digits in metrics:
             if name == "copy first frame" and key == "agent_lost":
                 continue
-            cells = [f"{values[key][h - 1]:.{digits}f}" for h in hs]
+            cells = [_cell(values[key][h - 1], digits) for h in hs]
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

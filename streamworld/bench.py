@@ -44,6 +44,7 @@ class BenchConfig:
     ttff_budget_s: float = 1.0
     lookahead_chunks: float = 2.0
     baseline: bool = True
+    inline_cpu: bool = True
 
 
 def _inputs(model: WorldModel, seed: int) -> dict:
@@ -77,6 +78,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         max_streams=max(cfg.streams, 1),
         ttff_budget_s=cfg.ttff_budget_s,
         scheduler=sched,
+        inline_cpu=cfg.inline_cpu,
     )
     async with AsyncEngine(model, engine_cfg) as engine:
         # Warm-up (kernel selection, allocator, prompt cache), not measured.

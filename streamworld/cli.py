@@ -56,8 +56,7 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        help="PyTorch CPU threads (default: PyTorch's, one per core). On a 2-core CPU, 1 makes one "
-        "pusht stream through the engine 1.4x faster (docs/benchmarks.md)",
+        help="PyTorch CPU threads (default: PyTorch's, one per core)",
     )
 
 
@@ -115,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="seconds from a session's start to its first chunk's deadline (default 1.0)",
+    )
+    serve.add_argument(
+        "--cpu-threads-executors",
+        action="store_true",
+        help="on a CPU, run model work on executor threads instead of the event loop's thread "
+        "(the loop stays free during a batch, but PyTorch runs 2x slower from worker threads)",
     )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
@@ -185,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds from start to chunk 0's deadline (default 1.0)",
     )
     bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
+    bench.add_argument(
+        "--cpu-threads-executors",
+        action="store_true",
+        help="on a CPU, run model work on executor threads instead of the event loop's thread",
+    )
     bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     bench.set_defaults(func=cmd_bench)
 
@@ -415,6 +425,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_streams=args.max_sessions,
         max_queue=args.max_queue,
         ttff_budget_s=args.ttff_budget,
+        inline_cpu=not args.cpu_threads_executors,
     )
     server = StreamWorldServer(models, engine_config, default_model=model_ids[0])
     try:
@@ -458,6 +469,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_batch_units=args.max_batch,
         ttff_budget_s=args.ttff_budget,
         baseline=not args.no_baseline,
+        inline_cpu=not args.cpu_threads_executors,
     )
     result = run_bench(model, cfg)
     print(format_report(result))

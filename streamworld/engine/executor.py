@@ -22,9 +22,12 @@ T = TypeVar("T")
 
 
 class Executor:
-    def __init__(self, name: str, device: torch.device) -> None:
+    def __init__(self, name: str, device: torch.device, inline: bool = False) -> None:
         self.name = name
         self.device = device
+        # Inline: work runs on the calling (event loop) thread at submit time. On CPUs this
+        # keeps PyTorch's OpenMP work on the main thread, where it runs fastest.
+        self.inline = inline
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamworld-{name}")
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.busy = False
@@ -34,6 +37,13 @@ class Executor:
     def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Runs `fn` on this rank; the returned future completes on the calling loop."""
         self.busy = True
+        if self.inline:
+            fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+            try:
+                fut.set_result(self._run(fn))
+            except Exception as e:
+                fut.set_exception(e)
+            return fut
         return asyncio.wrap_future(self._pool.submit(self._run, fn))
 
     def _run(self, fn: Callable[[], T]) -> T:

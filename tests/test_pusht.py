@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -208,3 +209,35 @@ async def test_robot_loop_example_runs_against_a_server(pusht_server, tmp_path, 
     with av.open(str(video)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 8 and frames[0].shape == (256, 512, 3)
+
+
+async def _run_example(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_interactive_client_streams_actions_from_a_file_into_an_mp4(pusht_server, tmp_path):
+    actions = tmp_path / "actions.json"
+    actions.write_text(json.dumps({"actions": [[300.0, 200.0]] * 8}))
+    out = tmp_path / "clip.mp4"
+    client = str(ROOT / "examples" / "interactive_client.py")
+    code, stdout, stderr = await _run_example(
+        client, "--url", pusht_server, "--actions", str(actions), "--chunks", "2", "--out", str(out)
+    )
+    assert code == 0, stderr
+    assert str(out) in stdout
+    import av
+
+    with av.open(str(out)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 8 and frames[0].shape == (64, 64, 3)
+    # Keyboard mode needs a terminal: a clear error and exit code 2, no session.
+    code, _, stderr = await _run_example(client, "--url", pusht_server, "--keyboard")
+    assert code == 2 and "terminal" in stderr.lower()

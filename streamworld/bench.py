@@ -44,7 +44,7 @@ class BenchConfig:
     ttff_budget_s: float = 1.0
     lookahead_chunks: float = 2.0
     baseline: bool = True
-    inline_cpu: bool = True
+    inline_cpu: bool = False
 
 
 def _inputs(model: WorldModel, seed: int) -> dict:

@@ -56,7 +56,8 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        help="PyTorch CPU threads (default: PyTorch's, one per core)",
+        help="PyTorch CPU threads (default: PyTorch's, one per core). On a 2-core CPU, 1 makes one "
+        "pusht stream through the engine 1.3x faster (docs/benchmarks.md)",
     )
 
 
@@ -114,12 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="seconds from a session's start to its first chunk's deadline (default 1.0)",
-    )
-    serve.add_argument(
-        "--cpu-threads-executors",
-        action="store_true",
-        help="on a CPU, run model work on executor threads instead of the event loop's thread "
-        "(the loop stays free during a batch, but PyTorch runs 2x slower from worker threads)",
     )
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
@@ -191,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
     bench.add_argument(
-        "--cpu-threads-executors",
+        "--cpu-inline",
         action="store_true",
-        help="on a CPU, run model work on executor threads instead of the event loop's thread",
+        help="experimental: on a CPU, run model work on the event loop's thread (about 2x faster on "
+        "2 cores; interactive streams can stall in this mode, see docs/benchmarks.md)",
     )
     bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     bench.set_defaults(func=cmd_bench)
@@ -425,7 +421,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_streams=args.max_sessions,
         max_queue=args.max_queue,
         ttff_budget_s=args.ttff_budget,
-        inline_cpu=not args.cpu_threads_executors,
     )
     server = StreamWorldServer(models, engine_config, default_model=model_ids[0])
     try:
@@ -469,7 +464,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_batch_units=args.max_batch,
         ttff_budget_s=args.ttff_budget,
         baseline=not args.no_baseline,
-        inline_cpu=not args.cpu_threads_executors,
+        inline_cpu=args.cpu_inline,
     )
     result = run_bench(model, cfg)
     print(format_report(result))

@@ -106,7 +106,7 @@ def test_shipped_weights_are_small_and_load_exactly(pusht):
     [("clean", False), ("final", False), ("noisy", False), ("final", True), ("noisy", True)],
 )
 async def test_engine_serves_pusht_exactly_in_every_kv_mode(pusht, kv_mode, inline):
-    """Also with model work on the event loop's thread (`inline_cpu`, what `serve` uses on CPUs)."""
+    """Also with model work on the event loop's thread (the experimental `inline_cpu`)."""
     image, _ = initial_frame(1)
     actions = np.random.default_rng(0).uniform(100, 400, (8, 2)).astype(np.float32)
     async with AsyncEngine(pusht, engine_config(inline_cpu=inline)) as engine:
@@ -168,9 +168,8 @@ def test_generate_cli_starts_pusht_from_the_environment(tmp_path):
 @pytest.fixture
 async def pusht_server(pusht):
     # Real-time pacing (the default scheduler): the robot loop's stream is interactive, and
-    # interactive streams start just in time for their playback deadlines. Model work runs
-    # on the loop's thread, as `streamworld serve` runs it on CPUs.
-    config = EngineConfig(max_streams=4, inline_cpu=True)
+    # interactive streams start just in time for their playback deadlines.
+    config = EngineConfig(max_streams=4)
     server = StreamWorldServer({"pusht": pusht}, config, ServerConfig(), default_model="pusht")
     running = await RunningServer(server.build_app()).start()
     yield f"ws://127.0.0.1:{running.port}/v1/stream"

@@ -85,8 +85,9 @@ class EngineConfig:
     # On a CPU, run model work on the event loop's own thread instead of executor threads.
     # PyTorch's OpenMP parallelism is fast only from the main thread: with the pusht model
     # on 2 cores, one stream makes 18.0 frames/s from a worker thread and 40 from the main
-    # thread (docs/benchmarks.md). The loop is then blocked while a batch runs. `serve` and
-    # `bench` turn it on for CPU models.
+    # thread (docs/benchmarks.md). The loop is then blocked while a batch runs.
+    # EXPERIMENTAL, off by default: interactive streams were seen to stall for seconds in
+    # this mode (not yet understood; docs/benchmarks.md). Only `bench --cpu-inline` uses it.
     inline_cpu: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: bool = False

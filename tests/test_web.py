@@ -1,0 +1,186 @@
+"""The browser demo (web/) in a real headless Chromium, against a real `streamworld serve`.
+
+Needs Playwright for Python and a Chromium binary (Debian: `apt-get install -y chromium`;
+Playwright's own browser download is not used). Without them these tests are skipped with
+the reason shown, unless STREAMWORLD_REQUIRE_BROWSER=1 (CI sets it), which makes a missing
+browser a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CHROMIUM = os.environ.get("STREAMWORLD_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+REQUIRED = os.environ.get("STREAMWORLD_REQUIRE_BROWSER") == "1"
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - depends on the machine
+    sync_playwright = None
+
+_missing = (
+    "Playwright for Python is not installed (pip install playwright)"
+    if sync_playwright is None
+    else None
+    if os.path.exists(CHROMIUM)
+    else f"no Chromium at {CHROMIUM} (apt-get install -y chromium)"
+)
+if _missing and REQUIRED:
+    raise RuntimeError(f"browser tests required but {_missing}")
+pytestmark = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def _metric(base: str, name: str, model: str = "pusht") -> float:
+    text = _get(f"{base}/metrics")
+    match = re.search(rf'^{name}{{model="{model}"}} ([0-9.e+-]+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamworld",
+            "serve",
+            "--model",
+            "pusht",
+            "--model",
+            "tiny-wan",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            _get(f"{base}/healthz")
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the server did not start:\n{proc.stdout.read()}") from None
+            time.sleep(0.3)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context()
+    page = context.new_page()
+    page.console_errors = []
+    page.on("console", lambda m: m.type == "error" and page.console_errors.append(m.text))
+    page.on("pageerror", lambda e: page.console_errors.append(str(e)))
+    yield page
+    context.close()
+
+
+def _stats(page) -> dict:
+    return page.evaluate("() => ({...window.streamworld})")
+
+
+def _wait_frames(page, n: int, timeout_s: float = 60) -> None:
+    page.wait_for_function(
+        f"() => window.streamworld && window.streamworld.framesShown >= {n}", timeout=timeout_s * 1000
+    )
+
+
+def _canvas_digest(page) -> str:
+    return page.evaluate(
+        """() => { const c = document.getElementById('screen');
+                   const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                   let h = 0;
+                   for (let i = 0; i < d.length; i += 7) h = (h * 31 + d[i]) >>> 0;
+                   return String(h); }"""
+    )
+
+
+def test_page_loads_without_console_errors_and_lists_the_models(server, page):
+    page.goto(server + "/")
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+    values = page.eval_on_selector_all("#model option", "els => els.map(e => e.value)")
+    assert values == ["pusht", "tiny-wan"]
+    assert page.input_value("#model") == "pusht"  # the server's default model
+    assert "pusht" in page.inner_text("#model-info") or "64x64" in page.inner_text("#model-info")
+    assert page.console_errors == []
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "h264"])
+def test_autostart_plays_changing_frames_at_the_stream_rate(server, page, fmt):
+    page.goto(f"{server}/?autostart=1&format={fmt}&seed=3")
+    _wait_frames(page, 4)
+    stats = _stats(page)
+    assert stats["state"] == "running" and stats["decoder"].startswith(fmt)
+    first_digest, shown = _canvas_digest(page), stats["framesShown"]
+    time.sleep(4.0)
+    stats = _stats(page)
+    # 10 frames/s stream: at least half the rate arrives and is shown (loose: shared CI cores).
+    assert stats["framesShown"] - shown >= 20
+    assert _canvas_digest(page) != first_digest  # the picture changes
+    assert stats["ttffMs"] is not None and stats["errors"] == []
+    assert page.console_errors == []
+
+
+def test_start_button_key_presses_reach_the_server_and_stop_frees_the_kv_cache(server, page):
+    page.goto(f"{server}/?format=jpeg&seed=5")
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+    page.click("#start")
+    _wait_frames(page, 4)
+    start_action = _stats(page)["lastAction"]  # the agent's own position, sent at the start
+    assert start_action is not None and _metric(server, "streamworld_kv_pages_used") > 0
+    observed = _metric(server, "streamworld_action_to_frame_seconds_count")
+    for _ in range(3):
+        page.keyboard.press("ArrowRight")
+        time.sleep(0.3)
+    stats = _stats(page)
+    assert stats["lastAction"][0] == pytest.approx(min(512, start_action[0] + 3 * 24), abs=0.2)
+    assert stats["lastAction"][1] == pytest.approx(start_action[1], abs=0.2)
+    # The server saw the new actions reach frames (its action-to-frame histogram grows).
+    deadline = time.monotonic() + 20
+    while _metric(server, "streamworld_action_to_frame_seconds_count") <= observed:
+        assert time.monotonic() < deadline, "the server never showed a frame for the key presses"
+        time.sleep(0.25)
+    page.click("#stop")
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+    deadline = time.monotonic() + 20
+    while _metric(server, "streamworld_kv_pages_used") != 0:
+        assert time.monotonic() < deadline, "KV pages were not returned after stop"
+        time.sleep(0.25)
+    assert "ended" in page.inner_text("#status")
+    assert page.console_errors == []

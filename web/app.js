@@ -1,0 +1,426 @@
+// StreamWorld browser demo: pick a model, start a session, play the stream, steer it.
+//
+// Protocol: docs/protocol.md. Frames arrive as `chunk` messages, each followed by one binary
+// payload: H.264 access units decoded with WebCodecs, or JPEG files where WebCodecs is
+// missing. Frames are shown at the stream's frame rate as soon as they are decoded.
+// URL parameters: model, format (auto|h264|jpeg), seed, autostart=1.
+
+const $ = (id) => document.getElementById(id);
+const PUSHT_WORLD = 512; // pusht actions: the agent's target (x, y) in world units, y down
+const KEY_STEP = 24; // world units per key press (pusht)
+const KEYS = {
+  ArrowUp: "up", KeyW: "up", ArrowDown: "down", KeyS: "down",
+  ArrowLeft: "left", KeyA: "left", ArrowRight: "right", KeyD: "right", Space: "stay",
+};
+
+// What tests (and curious users) can read: window.streamworld.
+const stats = {
+  state: "idle", sessionId: null, framesShown: 0, actionsSent: 0, chunks: 0,
+  queuePosition: null, ttffMs: null, actionToFrameMs: null, decoder: null, lastAction: null,
+  errors: [],
+};
+window.streamworld = stats;
+
+let models = [];
+let session = null; // the live session, see start()
+
+// --- models -------------------------------------------------------------------------------
+async function loadModels() {
+  const resp = await fetch("/v1/models");
+  models = (await resp.json()).models;
+  const select = $("model");
+  select.replaceChildren(...models.map((m) => new Option(`${m.id}${m.default ? " (default)" : ""}`, m.id)));
+  const wanted = new URLSearchParams(location.search).get("model");
+  const initial = models.find((m) => m.id === wanted) || models.find((m) => m.default) || models[0];
+  if (initial) select.value = initial.id;
+  showModel();
+}
+
+function currentModel() {
+  return models.find((m) => m.id === $("model").value);
+}
+
+function isPushT(model) {
+  return model && model.id === "pusht";
+}
+
+function showModel() {
+  const m = currentModel();
+  if (!m) return;
+  document.querySelectorAll(".for-prompt").forEach((e) => e.classList.toggle("hidden", !m.takes_prompt));
+  document.querySelectorAll(".for-image").forEach((e) => e.classList.toggle("hidden", !m.needs_image));
+  document.querySelectorAll(".for-scene").forEach((e) => e.classList.toggle("hidden", !m.has_default_image));
+  $("model-info").textContent =
+    `${m.width}x${m.height} at ${m.fps} fps, ${m.frames_per_chunk} frames per chunk, ` +
+    `${m.action_dim ? `actions of ${m.action_dim}` : "no actions"}. ${m.description || ""}`;
+  $("help").textContent = isPushT(m)
+    ? "Drag on the frame to move the agent's target; arrows or WASD nudge it."
+    : m.action_dim
+      ? "Arrows or WASD steer (each key sets the action), space resets it."
+      : "";
+}
+
+// --- decoding -------------------------------------------------------------------------------
+async function h264Supported() {
+  if (!("VideoDecoder" in window)) return false;
+  try {
+    const r = await VideoDecoder.isConfigSupported({ codec: "avc1.64001F" });
+    return !!r.supported;
+  } catch {
+    return false;
+  }
+}
+
+function splitPayload(buffer, sizes) {
+  const parts = [];
+  let offset = 0;
+  for (const size of sizes) {
+    parts.push(new Uint8Array(buffer, offset, size));
+    offset += size;
+  }
+  return parts;
+}
+
+function isKeyUnit(unit) {
+  // Annex-B NAL units: an IDR slice (type 5) or a parameter set before it makes a key unit.
+  for (let i = 0; i + 3 < unit.length; i++) {
+    if (unit[i] === 0 && unit[i + 1] === 0 && unit[i + 2] === 1) {
+      const type = unit[i + 3] & 0x1f;
+      if (type === 5 || type === 7) return true;
+      if (type === 1) return false;
+    }
+  }
+  return false;
+}
+
+class JpegDecoder {
+  constructor(onFrame) { this.onFrame = onFrame; this.name = "jpeg (createImageBitmap)"; }
+  async decode(buffer, meta) {
+    for (const part of splitPayload(buffer, meta.sizes)) {
+      const bitmap = await createImageBitmap(new Blob([part], { type: "image/jpeg" }));
+      this.onFrame(bitmap);
+    }
+  }
+  close() {}
+}
+
+class H264Decoder {
+  constructor(codec, fps, onFrame, onError) {
+    this.name = `h264 (WebCodecs, ${codec})`;
+    this.fps = fps;
+    this.frame = 0;
+    this.sawKey = false;
+    this.decoder = new VideoDecoder({ output: onFrame, error: onError });
+    this.decoder.configure({ codec, optimizeForLatency: true });
+  }
+  async decode(buffer, meta) {
+    for (const unit of splitPayload(buffer, meta.sizes)) {
+      const key = isKeyUnit(unit);
+      if (!this.sawKey && !key) continue; // a decoder must start on a key frame
+      this.sawKey = true;
+      const timestamp = Math.round((this.frame++ * 1e6) / this.fps);
+      this.decoder.decode(new EncodedVideoChunk({ type: key ? "key" : "delta", timestamp, data: unit }));
+    }
+  }
+  close() {
+    if (this.decoder.state !== "closed") this.decoder.close();
+  }
+}
+
+// --- display ------------------------------------------------------------------------------------
+class Player {
+  constructor(canvas, fps) {
+    this.canvas = canvas;
+    this.ctx = canvas.getContext("2d");
+    this.queue = [];
+    this.period = 1000 / fps;
+    this.next = 0;
+    this.shown = [];
+    this.timer = setInterval(() => this.tick(), Math.max(5, this.period / 4));
+  }
+  push(frame) {
+    this.queue.push(frame);
+    // Low latency: never let more than two chunks' worth of frames wait.
+    while (this.queue.length > 24) release(this.queue.shift());
+  }
+  tick() {
+    const now = performance.now();
+    if (!this.queue.length || now < this.next) return;
+    const frame = this.queue.shift();
+    this.ctx.imageSmoothingEnabled = false;
+    this.ctx.drawImage(frame, 0, 0, this.canvas.width, this.canvas.height);
+    release(frame);
+    this.next = Math.max(this.next + this.period, now - this.period);
+    this.shown.push(now);
+    stats.framesShown++;
+    if (session && session.startedAt && stats.ttffMs === null) stats.ttffMs = now - session.startedAt;
+  }
+  fps() {
+    const now = performance.now();
+    this.shown = this.shown.filter((t) => now - t < 2000);
+    return this.shown.length / 2;
+  }
+  close() {
+    clearInterval(this.timer);
+    this.queue.forEach(release);
+    this.queue = [];
+  }
+}
+
+function release(frame) {
+  if (frame && typeof frame.close === "function") frame.close();
+}
+
+// --- the session --------------------------------------------------------------------------------
+async function readImage() {
+  const file = $("image").files[0];
+  if (!file) return null;
+  return await new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function start() {
+  if (session) return;
+  const model = currentModel();
+  if (!model) return setStatus("No model is served.");
+  let format = $("format").value;
+  if (format === "auto") format = (await h264Supported()) ? "h264" : "jpeg";
+  if (format === "h264" && !(await h264Supported())) {
+    setStatus("This browser cannot decode H.264 with WebCodecs; using jpeg.");
+    format = "jpeg";
+  }
+  const message = { type: "session.start", model: model.id, format, priority: "interactive" };
+  const seed = $("seed").value.trim();
+  if (seed !== "") message.seed = Number(seed);
+  if (model.takes_prompt && $("prompt").value.trim()) message.prompt = $("prompt").value.trim();
+  if (model.needs_image) {
+    const image = await readImage();
+    if (image) message.image = image;
+    else if (!model.has_default_image) return setStatus(`${model.id} needs a first frame: choose an image.`);
+  }
+
+  const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/stream`);
+  ws.binaryType = "arraybuffer";
+  session = {
+    ws, model, format, pending: null, decoder: null, player: null, action: null,
+    startedAt: performance.now(), lastActionAt: null, dragging: false, lastSend: 0, ended: false,
+  };
+  Object.assign(stats, {
+    state: "connecting", sessionId: null, framesShown: 0, chunks: 0, queuePosition: null,
+    ttffMs: null, actionToFrameMs: null, decoder: null,
+  });
+  setButtons(true);
+  setStatus("Connecting...");
+  ws.onopen = () => ws.send(JSON.stringify(message));
+  ws.onmessage = (event) => onMessage(session, event).catch((e) => fail(`client error: ${e.message}`));
+  ws.onclose = (event) => finish(event.code === 1000 || session?.ended ? null : `connection closed (${event.code})`);
+}
+
+async function onMessage(s, event) {
+  if (s !== session) return;
+  if (typeof event.data !== "string") {
+    const meta = s.pending;
+    s.pending = null;
+    if (!meta || !s.decoder) return;
+    noteActionLatency(s, meta);
+    await s.decoder.decode(event.data, meta);
+    return;
+  }
+  const msg = JSON.parse(event.data);
+  switch (msg.type) {
+    case "session.queued":
+      stats.state = "queued";
+      stats.queuePosition = msg.position;
+      setStatus(`Queued: position ${msg.position}`);
+      break;
+    case "session.started":
+      onStarted(s, msg);
+      break;
+    case "chunk":
+      s.pending = msg;
+      stats.chunks++;
+      $("st-chunk").textContent = `chunk ${msg.index}: frames ${msg.first_frame}-${msg.first_frame + msg.num_frames - 1}\n` +
+        Object.entries(msg.timings).map(([k, v]) => `${k} ${v}`).join("\n");
+      break;
+    case "error":
+      stats.errors.push(msg);
+      setStatus(`Server: ${msg.code}: ${msg.message}`);
+      break;
+    case "session.done":
+      s.ended = true;
+      setStatus(`Session ended (${msg.reason}) after ${msg.chunks} chunks.`);
+      s.ws.close(1000);
+      break;
+    default:
+      break; // pong and future message types
+  }
+}
+
+function onStarted(s, msg) {
+  stats.state = "running";
+  stats.sessionId = msg.session_id;
+  stats.queuePosition = null;
+  const canvas = $("screen");
+  const scale = Math.max(1, Math.floor(512 / Math.max(msg.width, msg.height)));
+  canvas.width = msg.width * scale;
+  canvas.height = msg.height * scale;
+  s.fps = msg.fps;
+  s.player = new Player(canvas, msg.fps);
+  const onFrame = (frame) => (s === session && s.player ? s.player.push(frame) : release(frame));
+  s.decoder = msg.format === "h264"
+    ? new H264Decoder(msg.codec, msg.fps, onFrame, (e) => fail(`decoder: ${e.message}`))
+    : new JpegDecoder(onFrame);
+  stats.decoder = s.decoder.name;
+  setStatus(`Streaming ${msg.model} (seed ${msg.seed}, ${msg.kv_mode} KV).`);
+  if (s.model.action_dim) {
+    if (isPushT(s.model)) {
+      const agent = msg.scene && msg.scene.agent;
+      // Start by holding the agent where it is (the hold policy would otherwise use zeros).
+      sendAction(s, agent ? [agent[0], agent[1]] : [PUSHT_WORLD / 2, PUSHT_WORLD / 2]);
+    } else {
+      s.action = new Array(s.model.action_dim).fill(0);
+    }
+  }
+  canvas.focus();
+}
+
+function noteActionLatency(s, meta) {
+  // A chunk that started after the last action is the first one that can show it.
+  if (s.lastActionAt === null || !meta.timings) return;
+  const now = performance.now();
+  const startedAt = now - (meta.timings.total + meta.timings.queued);
+  if (startedAt >= s.lastActionAt) {
+    stats.actionToFrameMs = now - s.lastActionAt;
+    s.lastActionAt = null;
+  }
+}
+
+function sendAction(s, vector) {
+  if (!s || s.ws.readyState !== WebSocket.OPEN || stats.state !== "running") return;
+  s.action = vector;
+  s.ws.send(JSON.stringify({ type: "action", actions: [vector] }));
+  stats.actionsSent++;
+  stats.lastAction = vector.map((v) => Math.round(v * 10) / 10);
+  if (s.lastActionAt === null) s.lastActionAt = performance.now();
+}
+
+function onKey(event) {
+  const s = session;
+  const dir = KEYS[event.code];
+  if (!s || !dir || !s.model.action_dim || stats.state !== "running") return;
+  if (event.target instanceof HTMLInputElement || event.target instanceof HTMLSelectElement) return;
+  event.preventDefault();
+  let v = [...(s.action || new Array(s.model.action_dim).fill(0))];
+  if (isPushT(s.model)) {
+    const d = { up: [0, -KEY_STEP], down: [0, KEY_STEP], left: [-KEY_STEP, 0], right: [KEY_STEP, 0], stay: [0, 0] }[dir];
+    v = [clamp(v[0] + d[0], 0, PUSHT_WORLD), clamp(v[1] + d[1], 0, PUSHT_WORLD)];
+  } else if (dir === "stay") {
+    v = v.map(() => 0);
+  } else if (dir === "left" || dir === "right") {
+    v[0] = dir === "left" ? -1 : 1;
+  } else if (v.length > 1) {
+    v[1] = dir === "up" ? 1 : -1;
+  }
+  sendAction(s, v);
+}
+
+function onPointer(event) {
+  const s = session;
+  if (!s || !isPushT(s.model) || stats.state !== "running") return;
+  if (event.type === "pointerdown") s.dragging = true;
+  if (event.type === "pointerup" || event.type === "pointerleave") s.dragging = false;
+  if (!s.dragging || event.type === "pointerup") return;
+  const rect = event.currentTarget.getBoundingClientRect();
+  const x = clamp(((event.clientX - rect.left) / rect.width) * PUSHT_WORLD, 0, PUSHT_WORLD);
+  const y = clamp(((event.clientY - rect.top) / rect.height) * PUSHT_WORLD, 0, PUSHT_WORLD);
+  const now = performance.now();
+  if (event.type === "pointermove" && now - s.lastSend < 1000 / (s.fps || 10)) return; // one per frame
+  s.lastSend = now;
+  sendAction(s, [x, y]);
+}
+
+function stop() {
+  const s = session;
+  if (!s) return;
+  if (s.ws.readyState === WebSocket.OPEN && stats.state === "running") {
+    stats.state = "stopping";
+    s.ws.send(JSON.stringify({ type: "session.stop" }));
+    setTimeout(() => s === session && s.ws.close(1000), 3000);
+  } else {
+    s.ended = true;
+    s.ws.close(1000);
+  }
+}
+
+function finish(problem) {
+  const s = session;
+  if (!s) return;
+  session = null;
+  if (s.player) s.player.close();
+  if (s.decoder) s.decoder.close();
+  stats.state = "idle";
+  setButtons(false);
+  if (problem) setStatus(problem);
+}
+
+function fail(message) {
+  stats.errors.push({ code: "client", message });
+  setStatus(message);
+  if (session) session.ws.close(1000);
+}
+
+function newScene() {
+  $("seed").value = String(Math.floor(Math.random() * 1e9));
+  if (session) {
+    const s = session;
+    s.ended = true;
+    s.ws.close(1000);
+    finish(null);
+  }
+  start();
+}
+
+// --- page -------------------------------------------------------------------------------------
+function clamp(v, lo, hi) { return Math.min(hi, Math.max(lo, v)); }
+function setStatus(text) { $("status").textContent = text; }
+function setButtons(running) {
+  $("start").disabled = running;
+  $("stop").disabled = !running;
+  $("model").disabled = running;
+  $("format").disabled = running;
+}
+
+function renderStats() {
+  $("st-state").textContent = stats.state;
+  $("st-queue").textContent = stats.queuePosition ?? "-";
+  $("st-fps").textContent = session && session.player ? session.player.fps().toFixed(1) : "-";
+  $("st-ttff").textContent = stats.ttffMs === null ? "-" : `${(stats.ttffMs / 1000).toFixed(2)} s`;
+  $("st-a2f").textContent = stats.actionToFrameMs === null ? "-" : `${Math.round(stats.actionToFrameMs)} ms`;
+  $("st-frames").textContent = stats.framesShown;
+  $("st-decoder").textContent = stats.decoder ?? "-";
+  $("st-action").textContent = stats.lastAction ? JSON.stringify(stats.lastAction) : "-";
+}
+
+async function main() {
+  const params = new URLSearchParams(location.search);
+  if (params.get("format")) $("format").value = params.get("format");
+  if (params.get("seed")) $("seed").value = params.get("seed");
+  $("model").addEventListener("change", showModel);
+  $("start").addEventListener("click", start);
+  $("stop").addEventListener("click", stop);
+  $("new-scene").addEventListener("click", newScene);
+  document.addEventListener("keydown", onKey);
+  for (const type of ["pointerdown", "pointermove", "pointerup", "pointerleave"]) {
+    $("screen").addEventListener(type, onPointer);
+  }
+  window.addEventListener("pagehide", () => session && session.ws.close(1000));
+  setInterval(renderStats, 250);
+  await loadModels();
+  if (params.get("autostart") === "1") start();
+}
+
+main().catch((e) => setStatus(`Could not load the models: ${e.message}`));

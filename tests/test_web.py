@@ -184,3 +184,20 @@ def test_start_button_key_presses_reach_the_server_and_stop_frees_the_kv_cache(s
         time.sleep(0.25)
     assert "ended" in page.inner_text("#status")
     assert page.console_errors == []
+
+
+def test_a_text_model_takes_a_prompt_and_switches_it_mid_stream(server, page):
+    page.goto(f"{server}/?model=tiny-wan&format=jpeg&seed=1")
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+    assert page.is_visible("#prompt") and not page.is_visible("#new-scene")
+    page.fill("#prompt", "a red car")
+    page.click("#start")
+    _wait_frames(page, 2)
+    page.fill("#prompt", "a blue boat")
+    page.press("#prompt", "Enter")
+    assert _stats(page)["promptsSent"] == 1
+    assert "a blue boat" in page.inner_text("#status")
+    _wait_frames(page, _stats(page)["framesShown"] + 12)  # the stream goes on after the switch
+    assert _stats(page)["errors"] == [] and page.console_errors == []
+    page.click("#stop")
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)

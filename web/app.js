@@ -343,6 +343,17 @@ function onPointer(event) {
   sendAction(s, [x, y]);
 }
 
+function onPromptKey(event) {
+  // Enter in the prompt box switches the prompt of a running session (from the next chunk).
+  const s = session;
+  if (event.key !== "Enter" || !s || !s.model.takes_prompt || stats.state !== "running") return;
+  const prompt = $("prompt").value.trim();
+  if (!prompt) return;
+  s.ws.send(JSON.stringify({ type: "prompt", prompt }));
+  stats.promptsSent = (stats.promptsSent || 0) + 1;
+  setStatus(`Prompt switched to "${prompt}" from the next chunk.`);
+}
+
 function stop() {
   const s = session;
   if (!s) return;
@@ -414,6 +425,7 @@ async function main() {
   $("stop").addEventListener("click", stop);
   $("new-scene").addEventListener("click", newScene);
   document.addEventListener("keydown", onKey);
+  $("prompt").addEventListener("keydown", onPromptKey);
   for (const type of ["pointerdown", "pointermove", "pointerup", "pointerleave"]) {
     $("screen").addEventListener(type, onPointer);
   }

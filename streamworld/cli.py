@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="model to serve; repeat for several (default: pusht). The first is the default model.",
     )
-    _add_weight_args(serve)  # they apply to the real-size models among --model
+    _add_weight_args(serve)  # they apply to the real-size models, or to the only model served
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument(
@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Record PushT episodes (when the data folder has none yet) and train the pusht world model "
             "with flow matching. A run stops after --minutes and saves a checkpoint in --workdir; running "
             "the same command again resumes it, until --total-steps. Every run exports the EMA weights "
-            "(float16 safetensors) that `serve --dit PATH` or the package's built-in weights use. The "
+            "(float16 safetensors), which `streamworld serve --model pusht --dit PATH` serves "
+            "instead of the built-in ones. The "
             "recipe is in docs/pusht.md."
         ),
     )
@@ -339,6 +340,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--out: folder {out.parent} does not exist")
     if args.chunks < 1:
         raise UsageError("--chunks must be at least 1")
+    if args.seed < 0:
+        raise UsageError("--seed must be at least 0")
     actions = _read_actions(args.actions) if args.actions else None
     image = _read_image(args.image) if args.image else None
     model = _load_model(args)
@@ -399,6 +402,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1 or args.max_queue < 0:
         raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
     _apply_threads(args)
+    for name in ("weights", "dit", "vae", "text_encoder"):
+        path = getattr(args, name)
+        if path is not None and not Path(path).exists():
+            raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
     models = {}
     for mid in model_ids:
@@ -406,7 +413,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             models[mid] = WorldModel.load(
                 config,
-                weights if config.requires_weights else None,
+                weights if config.requires_weights or len(model_ids) == 1 else None,
                 random_weights=args.random_weights,
                 device=args.device,
                 dtype=args.dtype,
@@ -506,6 +513,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
+    if workdir.exists() and not workdir.is_dir():
+        raise UsageError(f"--workdir: {workdir} is a file")
+    if args.out is not None and not Path(args.out).resolve().parent.is_dir():
+        raise UsageError(f"--out: folder {Path(args.out).parent} does not exist")
     data_dir = Path(args.data) if args.data else workdir / "data"
     try:
         data = prepare_data(data_dir, spec, workers=args.workers)
@@ -541,6 +552,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError(f"--seeds: {e}") from None
     if args.horizon < 1:
         raise UsageError("--horizon must be at least 1")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"--json: folder {Path(args.json).parent} does not exist")
     if args.dit is not None and not Path(args.dit).exists():
         raise UsageError(f"--dit: {args.dit} does not exist")
     try:

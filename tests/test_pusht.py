@@ -80,10 +80,17 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
     from streamworld.models.world_model import WeightPaths
     from streamworld.pusht.train import smoke_config
 
-    model = WorldModel.load(
-        smoke_config(get_preset("pusht")), WeightPaths(dit=str(work / "pusht.safetensors"))
-    )
-    assert model.dit.action_adapter is not None
+    weights = WeightPaths(dit=str(work / "pusht.safetensors"))
+    model = WorldModel.load(smoke_config(get_preset("pusht")), weights)
+    exported = model.dit.transformer.proj_out.weight
+    random = WorldModel.load(smoke_config(get_preset("pusht")), random_weights=True)
+    assert not torch.equal(exported, random.dit.transformer.proj_out.weight)
+    # Weights trained for the other parameterisation are refused, not served wrongly.
+    flow = tmp_path / "flow"
+    args = ["train", "pusht", "--smoke", "--workdir", str(flow), "--total-steps", "1", "--prediction", "flow"]
+    assert cli_main(args) == 0
+    with pytest.raises(ValueError, match="flow"):
+        WorldModel.load(smoke_config(get_preset("pusht")), WeightPaths(dit=str(flow / "pusht.safetensors")))
 
 
 def test_train_cli_rejects_bad_arguments(tmp_path, capsys):
@@ -131,7 +138,7 @@ def test_metrics_and_seed_ranges():
     assert psnr(a, a) == 99.0 and ssim(a, a) == pytest.approx(1.0)
     assert psnr(a, b) < 40 and ssim(a, b) < 1.0
     assert parse_seeds("0-3,7") == [0, 1, 2, 3, 7]
-    for bad in ("", "5-2", "x"):
+    for bad in ("", "5-2", "x", "499999-500000"):  # the last overlaps the training data's seeds
         with pytest.raises(ValueError):
             parse_seeds(bad)
 

@@ -73,6 +73,15 @@ def test_training_layout_equals_cached_forward(model: WorldModel, regime: str) -
     torch.testing.assert_close(trained, served, rtol=1e-4, atol=1e-4)
 
 
+def test_clips_always_end_with_a_chunk_whose_window_is_full() -> None:
+    import dataclasses
+
+    for window, chunk in [(8, 4), (6, 4), (5, 3), (3, 3)]:
+        cfg = dataclasses.replace(PUSHT, window_frames=window, latent_frames_per_chunk=chunk)
+        n = clip_length(cfg)
+        assert n % chunk == 0 and 1 + n - chunk >= 1 + window
+
+
 def test_layout_mask_matters(model: WorldModel) -> None:
     """A mask that lets the last chunk see the whole clip changes its output (the test can fail)."""
     cfg, dit = model.config, model.dit

@@ -41,8 +41,12 @@ class Executor:
             fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
             try:
                 fut.set_result(self._run(fn))
-            except Exception as e:
-                fut.set_exception(e)
+            except StopIteration as e:  # futures cannot hold StopIteration
+                fut.set_exception(RuntimeError(f"work raised StopIteration: {e!r}"))
+            except BaseException as e:
+                fut.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+                if not isinstance(e, Exception):
+                    raise
             return fut
         return asyncio.wrap_future(self._pool.submit(self._run, fn))
 

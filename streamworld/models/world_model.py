@@ -142,6 +142,7 @@ class WorldModel:
         if weights.dit is None and config.builtin_weights is not None and not random_weights:
             weights = WeightPaths(dit=str(builtin_weights_path(config)), vae=weights.vae)
         if weights.dit is not None:
+            _check_prediction(config, weights.dit)
             state = load_dit_state_dict(weights.dit)
             load_into(dit, _prefix_transformer(state), what=f"DiT checkpoint {weights.dit}")
         dit.to(dev)
@@ -211,6 +212,21 @@ def builtin_weights_path(config: ModelConfig) -> Path:
             f"StreamWorld, or train them with `streamworld train {config.id}`"
         )
     return path
+
+
+def _check_prediction(config: ModelConfig, path: str) -> None:
+    """Weights exported by `streamworld train` record what the DiT predicts; it must match."""
+    if not path.endswith(".safetensors") or not Path(path).is_file():
+        return
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        recorded = (f.metadata() or {}).get("prediction")
+    if recorded is not None and recorded != config.prediction:
+        raise ValueError(
+            f"{path} was trained to predict {recorded!r}, "
+            f"but model {config.id} predicts {config.prediction!r}"
+        )
 
 
 def _prefix_transformer(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

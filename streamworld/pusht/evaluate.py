@@ -54,6 +54,10 @@ def parse_seeds(text: str) -> list[int]:
         seeds.update(range(a, b + 1))
     if not seeds:
         raise ValueError("no seeds given")
+    if max(seeds) >= POLICY_SEED_OFFSET:
+        raise ValueError(
+            f"evaluation seeds must be below {POLICY_SEED_OFFSET} (higher ones overlap the training data)"
+        )
     return sorted(seeds)
 
 
@@ -144,7 +148,7 @@ def evaluate(
     from tqdm import tqdm
 
     cfg = model.config
-    if cfg.id != "pusht" and cfg.action_dim != 2:
+    if cfg.id != "pusht" or cfg.action_dim != 2:
         raise ValueError(f"model {cfg.id} is not a PushT model")
     fpc = cfg.frames_per_chunk
     num_chunks = math.ceil(horizon / fpc)

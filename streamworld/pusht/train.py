@@ -71,9 +71,9 @@ class TrainConfig:
 
 
 def clip_length(config: ModelConfig) -> int:
-    """Frames in a training clip: the attention window plus one chunk, in whole chunks."""
+    """Frames in a training clip: whole chunks covering the window, plus one chunk (whose window is full)."""
     chunk = config.latent_frames_per_chunk
-    return (config.window_frames + chunk) // chunk * chunk
+    return (-(-config.window_frames // chunk) + 1) * chunk
 
 
 def clip_layout(config: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,7 +246,12 @@ class Trainer:
             out[name] = value.detach().to("cpu", torch.float16).contiguous()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": self.mcfg.id, "step": str(self.step), "train_config": json.dumps(asdict(self.cfg))}
+        meta = {
+            "model": self.mcfg.id,
+            "prediction": self.mcfg.prediction,
+            "step": str(self.step),
+            "train_config": json.dumps(asdict(self.cfg)),
+        }
         safetensors.torch.save_file(out, str(path), metadata=meta)
         return path
 

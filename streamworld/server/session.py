@@ -134,7 +134,15 @@ class Session:
         cfg = served.model.config
         image = start.image
         if cfg.needs_image and image is None:
-            default = await asyncio.to_thread(served.default_image, start.seed)
+            try:
+                default = await asyncio.to_thread(served.default_image, start.seed)
+            except Exception as e:
+                log.exception("first frame for model %s, seed %s failed", cfg.id, start.seed)
+                await self.fail_and_close(
+                    ProtocolError("internal", f"the first frame for seed {start.seed} failed: {e}"),
+                    CLOSE_INTERNAL,
+                )
+                return
             if default is None:
                 await self.fail_and_close(
                     ProtocolError("bad_request", f"model {cfg.id} needs an 'image'"), CLOSE_POLICY

@@ -61,6 +61,13 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _check_weight_paths(args: argparse.Namespace) -> None:
+    for name in ("weights", "dit", "vae", "text_encoder"):
+        path = getattr(args, name)
+        if path is not None and not Path(path).exists():
+            raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
+
+
 def _apply_threads(args: argparse.Namespace) -> None:
     if args.threads is not None:
         if args.threads < 1:
@@ -286,10 +293,7 @@ def _load_model(args: argparse.Namespace):
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
-    for name in ("weights", "dit", "vae", "text_encoder"):
-        path = getattr(args, name)
-        if path is not None and not Path(path).exists():
-            raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
+    _check_weight_paths(args)
     try:
         return WorldModel.load(
             config, weights, random_weights=args.random_weights, device=args.device, dtype=args.dtype
@@ -402,10 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_sessions < 1 or args.max_queue < 0:
         raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
     _apply_threads(args)
-    for name in ("weights", "dit", "vae", "text_encoder"):
-        path = getattr(args, name)
-        if path is not None and not Path(path).exists():
-            raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
+    _check_weight_paths(args)
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
     models = {}
     for mid in model_ids:

@@ -192,12 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds from start to chunk 0's deadline (default 1.0)",
     )
     bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
-    bench.add_argument(
-        "--cpu-inline",
-        action="store_true",
-        help="experimental: on a CPU, run model work on the event loop's thread (about 2x faster on "
-        "2 cores; interactive streams can stall in this mode, see docs/benchmarks.md)",
-    )
     bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     bench.set_defaults(func=cmd_bench)
 
@@ -285,8 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_model(args: argparse.Namespace):
     _apply_threads(args)
+    from .engine.executor import on_torch_thread
     from .models import get_preset
-    from .models.world_model import WeightPaths, WorldModel
+    from .models.world_model import WeightPaths, WorldModel, resolve_device
 
     try:
         config = get_preset(args.model)
@@ -295,8 +290,11 @@ def _load_model(args: argparse.Namespace):
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
     _check_weight_paths(args)
     try:
-        return WorldModel.load(
-            config, weights, random_weights=args.random_weights, device=args.device, dtype=args.dtype
+        return on_torch_thread(
+            resolve_device(args.device),
+            lambda: WorldModel.load(
+                config, weights, random_weights=args.random_weights, device=args.device, dtype=args.dtype
+            ),
         )
     except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
         raise UsageError(str(e).splitlines()[0] if "\n" not in str(e) else str(e)) from None
@@ -334,6 +332,7 @@ def _read_image(path: str) -> np.ndarray:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine.executor import on_torch_thread
     from .engine.reference import GenerationRequest, ReferenceGenerator
     from .server.media import write_mp4
 
@@ -366,7 +365,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     try:
-        result = ReferenceGenerator(model).generate(request)
+        result = on_torch_thread(model.device, lambda: ReferenceGenerator(model).generate(request))
     except ValueError as e:
         raise UsageError(str(e)) from None
     elapsed = time.perf_counter() - start
@@ -390,8 +389,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from .engine.engine import EngineConfig
+    from .engine.executor import on_torch_thread
     from .models import PRESETS
-    from .models.world_model import WeightPaths, WorldModel
+    from .models.world_model import WeightPaths, WorldModel, resolve_device
     from .server.app import StreamWorldServer
 
     logging.basicConfig(
@@ -412,12 +412,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for mid in model_ids:
         config = PRESETS[mid]
         try:
-            models[mid] = WorldModel.load(
-                config,
-                weights if config.requires_weights or len(model_ids) == 1 else None,
-                random_weights=args.random_weights,
-                device=args.device,
-                dtype=args.dtype,
+            models[mid] = on_torch_thread(
+                resolve_device(args.device),
+                lambda config=config: WorldModel.load(
+                    config,
+                    weights if config.requires_weights or len(model_ids) == 1 else None,
+                    random_weights=args.random_weights,
+                    device=args.device,
+                    dtype=args.dtype,
+                ),
             )
         except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
             raise UsageError(f"{mid}: {e}") from None
@@ -472,7 +475,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_batch_units=args.max_batch,
         ttff_budget_s=args.ttff_budget,
         baseline=not args.no_baseline,
-        inline_cpu=args.cpu_inline,
     )
     result = run_bench(model, cfg)
     print(format_report(result))

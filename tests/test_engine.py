@@ -18,8 +18,9 @@ from streamworld.engine.stream import StreamRequest
 from streamworld.engine.units import COMMIT
 from tests.conftest import load_tiny
 
-# Run everything as soon as possible: no playback-clock gating.
-ASAP = SchedulerConfig(lookahead_chunks=1e6)
+# Run everything as soon as possible, with no playback-clock gating: no lookahead bound,
+# and interactive streams do not wait for their (far) deadlines either.
+ASAP = SchedulerConfig(lookahead_chunks=1e6, jit_margin_s=1e6)
 
 
 def engine_config(**kw) -> EngineConfig:
@@ -284,7 +285,9 @@ async def test_kv_pages_stay_flat_on_a_long_stream(tiny_model):
         assert engine.pool.pages_used == 0
     need = engine._pages_for("noisy")
     assert max(used) <= need
-    assert len(set(used[6:])) == 1, used
+    # No growth: once the window is full, the last chunks hold no more than the early ones
+    # (the exact count at a delivery depends on how far the next chunk has got).
+    assert max(used[-5:]) <= max(used[6:11]), used
 
 
 async def test_prompt_switch_applies_from_the_next_chunk_not_yet_started():

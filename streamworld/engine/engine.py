@@ -82,13 +82,6 @@ class EngineConfig:
     max_decode_batch: int = 8
     # Actions may be queued at most this many video frames ahead of generation.
     max_actions_ahead: int = 4096
-    # On a CPU, run model work on the event loop's own thread instead of executor threads.
-    # PyTorch's OpenMP parallelism is fast only from the main thread: with the pusht model
-    # on 2 cores, one stream makes 18.0 frames/s from a worker thread and 40 from the main
-    # thread (docs/benchmarks.md). The loop is then blocked while a batch runs.
-    # EXPERIMENTAL, off by default: interactive streams were seen to stall for seconds in
-    # this mode (not yet understood; docs/benchmarks.md). Only `bench --cpu-inline` uses it.
-    inline_cpu: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: bool = False
     # Tests: called on the executor for every unit before it runs; raising fails the unit.
@@ -201,10 +194,10 @@ class AsyncEngine:
             model.device,
         )
         self.scheduler = Scheduler(self.config.scheduler)
-        inline = self.config.inline_cpu and model.device.type == "cpu"
-        self.ranks = [Executor(f"rank{r}", model.device, inline) for r in range(self.config.num_ranks)]
-        self.decoder = Executor("decode", model.device, inline)
-        self.prep = Executor("prep", model.device, inline)
+        # On a CPU all three share the process's one PyTorch thread (executor.py says why).
+        self.ranks = [Executor(f"rank{r}", model.device) for r in range(self.config.num_ranks)]
+        self.decoder = Executor("decode", model.device)
+        self.prep = Executor("prep", model.device)
         self.streams: dict[int, Stream] = {}
         self.waiting: deque[int] = deque()
         self.stats = EngineStats()

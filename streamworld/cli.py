@@ -226,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--batch-size", type=int, default=64, help="clips per step (default 64)")
     train.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    train.add_argument(
+        "--change-weight",
+        type=float,
+        default=0.0,
+        help="extra loss weight on pixels that differ from the episode's first frame (default 0)",
+    )
     train.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     train.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     train.add_argument("--out", metavar="PATH", help="exported weights (default WORKDIR/pusht.safetensors)")
@@ -497,7 +503,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         episodes=args.episodes, steps=args.steps_per_episode, size=config.height, seed=args.data_seed
     )
     train_config = TrainConfig(
-        batch_size=args.batch_size, total_steps=args.total_steps, lr=args.lr, seed=args.seed
+        batch_size=args.batch_size,
+        total_steps=args.total_steps,
+        lr=args.lr,
+        seed=args.seed,
+        change_weight=args.change_weight,
     )
     device = args.device
     if args.smoke:
@@ -509,8 +519,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             warmup_steps=2,
             log_every=2,
             checkpoint_every=2,
+            change_weight=args.change_weight,
         )
         device = "cpu"
+    if args.change_weight < 0:
+        raise UsageError("--change-weight must be at least 0")
     for name in ("episodes", "steps_per_episode", "total_steps", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -18,6 +19,7 @@ from streamworld.engine.engine import AsyncEngine, EngineConfig
 from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
 from streamworld.engine.stream import StreamRequest
 from streamworld.models import get_preset
+from streamworld.models.pixels import PixelCodec, frames_to_latents
 from streamworld.models.world_model import WorldModel, builtin_weights_path
 from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset, record_episode
 from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, psnr, ssim
@@ -91,11 +93,37 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
     assert cli_main(args) == 0
     with pytest.raises(ValueError, match="flow"):
         WorldModel.load(smoke_config(get_preset("pusht")), WeightPaths(dit=str(flow / "pusht.safetensors")))
+    # So are weights trained on other latents (here: plain pixels, as before anchoring).
+    plain = dataclasses.replace(smoke_config(get_preset("pusht")), vae={"kind": "pixels"})
+    with pytest.raises(ValueError, match="pixels-anchored"):
+        WorldModel.load(plain, weights)
 
 
 def test_train_cli_rejects_bad_arguments(tmp_path, capsys):
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), "--minutes", "0"]) == 2
     assert "--minutes" in capsys.readouterr().err
+
+
+# --- anchored pixel latents --------------------------------------------------------------
+def test_anchored_pixels_decode_chunk_by_chunk_to_the_frames():
+    rng = torch.Generator().manual_seed(0)
+    frames = torch.rand(2, 3, 9, 8, 8, generator=rng) * 2 - 1  # two streams, 9 frames each
+    latents = frames_to_latents(frames, anchored=True)
+    assert torch.equal(latents[:, :, 0], frames[:, :, 0])
+    assert torch.allclose(latents[:, :, 1:], frames[:, :, 1:] - frames[:, :, :1])
+    codec = PixelCodec(anchored=True)
+    states = [codec.new_decoder_state() for _ in range(2)]
+    decoded, sizes = [], []
+    for a, b in ((0, 1), (1, 5), (5, 9)):  # the first image, then chunks of 4
+        out = codec.decode_chunks([latents[i : i + 1, :, a:b] for i in range(2)], states)
+        decoded.append(torch.cat(out))
+        sizes.append([s.nbytes() for s in states])
+    assert torch.allclose(torch.cat(decoded, 2), frames, atol=1e-6)
+    assert sizes[0] == sizes[1] == sizes[2] and sizes[0][0] == 3 * 8 * 8 * 4  # the anchor alone
+    # Plain pixels are the identity, and a stream's still frames are all-zero anchored latents.
+    assert torch.equal(frames_to_latents(frames, anchored=False), frames)
+    still = frames[:, :, :1].expand(-1, -1, 4, -1, -1)
+    assert frames_to_latents(still, anchored=True)[:, :, 1:].abs().max() == 0
 
 
 # --- the shipped model -------------------------------------------------------------------

@@ -20,7 +20,8 @@ class ModelConfig:
     # Constructor arguments of diffusers' WanTransformer3DModel.
     dit: dict[str, Any]
     # Constructor arguments of diffusers' AutoencoderKLWan, or {"kind": "pixels"} for models
-    # that denoise frames directly (`streamworld.models.pixels`).
+    # that denoise frames directly, with "anchored": True for frames as differences from the
+    # stream's first frame (`streamworld.models.pixels`).
     vae: dict[str, Any]
     # Constructor arguments of transformers' UMT5Config; None for models without text.
     text_encoder: dict[str, Any] | None
@@ -74,6 +75,13 @@ class ModelConfig:
     def pixel_space(self) -> bool:
         """True when the latents are the frames themselves (no autoencoder)."""
         return self.vae.get("kind") == "pixels"
+
+    @property
+    def latent_space(self) -> str:
+        """What a latent is: "vae", "pixels" or "pixels-anchored" (recorded in trained weights)."""
+        if not self.pixel_space:
+            return "vae"
+        return "pixels-anchored" if self.vae.get("anchored", False) else "pixels"
 
     @property
     def spatial_ratio(self) -> int:

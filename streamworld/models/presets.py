@@ -135,7 +135,8 @@ PUSHT = ModelConfig(
         eps=1e-6,
         rope_max_seq_len=1024,
     ),
-    vae={"kind": "pixels"},
+    # Latent frames after the first are differences from the first frame (models/pixels.py).
+    vae={"kind": "pixels", "anchored": True},
     text_encoder=None,
     text_len=1,
     height=64,

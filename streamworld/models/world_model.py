@@ -142,7 +142,7 @@ class WorldModel:
         if weights.dit is None and config.builtin_weights is not None and not random_weights:
             weights = WeightPaths(dit=str(builtin_weights_path(config)), vae=weights.vae)
         if weights.dit is not None:
-            _check_prediction(config, weights.dit)
+            _check_training_record(config, weights.dit)
             state = load_dit_state_dict(weights.dit)
             load_into(dit, _prefix_transformer(state), what=f"DiT checkpoint {weights.dit}")
         dit.to(dev)
@@ -153,7 +153,7 @@ class WorldModel:
         if config.pixel_space:
             if weights.vae is not None:
                 raise ValueError(f"model {config.id} works in pixel space and has no VAE to load")
-            vae = PixelCodec()
+            vae = PixelCodec(anchored=config.latent_space == "pixels-anchored")
         elif weights.vae is not None:
             vae = StreamingVAE.from_pretrained(weights.vae)
         else:
@@ -214,18 +214,29 @@ def builtin_weights_path(config: ModelConfig) -> Path:
     return path
 
 
-def _check_prediction(config: ModelConfig, path: str) -> None:
-    """Weights exported by `streamworld train` record what the DiT predicts; it must match."""
+def _check_training_record(config: ModelConfig, path: str) -> None:
+    """Weights exported by `streamworld train` record what the DiT predicts and what its latents
+    are; both must match the model's config (weights from before latents were recorded were
+    trained on plain pixels)."""
     if not path.endswith(".safetensors") or not Path(path).is_file():
         return
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
-        recorded = (f.metadata() or {}).get("prediction")
-    if recorded is not None and recorded != config.prediction:
+        meta = f.metadata() or {}
+    recorded = meta.get("prediction")
+    if recorded is None:  # not exported by `streamworld train`
+        return
+    if recorded != config.prediction:
         raise ValueError(
             f"{path} was trained to predict {recorded!r}, "
             f"but model {config.id} predicts {config.prediction!r}"
+        )
+    latents = meta.get("latent_space", "pixels")
+    if latents != config.latent_space:
+        raise ValueError(
+            f"{path} was trained on {latents!r} latents, "
+            f"but model {config.id} uses {config.latent_space!r} latents"
         )
 
 

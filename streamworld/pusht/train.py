@@ -43,6 +43,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.kv import context_frame_indices
+from ..models.pixels import frames_to_latents
 from ..models.world_model import WorldModel, resolve_device
 from .data import Dataset, DatasetSpec, generate_dataset
 
@@ -65,6 +66,9 @@ class TrainConfig:
     regime_weights: tuple[float, float, float] = (0.4, 0.25, 0.35)
     # Share of noise levels drawn from the served step list (the rest are uniform).
     discrete_share: float = 0.5
+    # Extra loss weight on pixels that differ from the episode's first frame (the agent and
+    # the block where they moved): small moving objects otherwise cost the loss little.
+    change_weight: float = 0.0
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 100
@@ -249,6 +253,7 @@ class Trainer:
         meta = {
             "model": self.mcfg.id,
             "prediction": self.mcfg.prediction,
+            "latent_space": self.mcfg.latent_space,
             "step": str(self.step),
             "train_config": json.dumps(asdict(self.cfg)),
         }
@@ -271,7 +276,8 @@ class Trainer:
         b = frames.shape[0]
         n, chunk = self.batcher.clip, self.batcher.chunk
         chunks = n // chunk
-        sink, x0 = frames[:, :, :1], frames[:, :, 1:]
+        latents0 = frames_to_latents(frames, self.mcfg.latent_space == "pixels-anchored")
+        sink, x0 = latents0[:, :, :1], latents0[:, :, 1:]
         weights = torch.tensor(self.cfg.regime_weights, device=dev)
         regime = torch.multinomial(weights, b, replacement=True, generator=g)  # 0 clean, 1 final, 2 noisy
         sigma = self._sigmas(b, chunks)
@@ -301,7 +307,11 @@ class Trainer:
             )
         pred = flow[:, :, 1 + n :].float()
         target = x0 if self.mcfg.prediction == "x0" else noise - x0
-        err = (pred - target).pow(2).mean(dim=(1, 3, 4))  # [B, L]
+        err = (pred - target).pow(2)
+        if self.cfg.change_weight:
+            changed = (frames[:, :, 1:] - frames[:, :, :1]).abs().amax(1, keepdim=True) > 0.1
+            err = err * (1.0 + self.cfg.change_weight * changed)
+        err = err.mean(dim=(1, 3, 4))  # [B, L]
         mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
         loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
         stats = {}

@@ -1,0 +1,140 @@
+"""The load generator (`loadtests/run.py`): a short smoke run against a real server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamworld.engine.engine import EngineConfig
+from tests.test_pusht import pusht, pusht_server  # noqa: F401 (fixtures)
+from tests.test_server import models, start_server  # noqa: F401 (fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("streamworld_loadtests_run", ROOT / "loadtests" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load_module()
+
+
+def test_playout_counts_stalls_against_the_buffer():
+    # 4 frames per chunk at 4 frames/s with 0.5 s of buffer: chunk 1 is due at 1.5 s (on time
+    # at 1.0), chunk 2 at 2.5 s (arrives at 3.0: one stall of 0.5 s), chunk 3 then at 4.0.
+    p = run.playout([0.0, 1.0, 3.0, 3.9], [4, 4, 4, 4], fps=4.0, buffer_s=0.5)
+    assert p == {"on_time": 3, "chunks": 4, "stalls": 1, "stall_s": pytest.approx(0.5)}
+    assert run.playout([], [], 4.0, 0.5)["chunks"] == 0
+
+
+def test_plan_is_reproducible_and_follows_the_mixes():
+    cfg = run.LoadConfig(
+        url="ws://x/v1/stream",
+        duration_s=200,
+        arrival_rate=2.0,
+        cancel_share=0.25,
+        slow_share=0.25,
+        priorities=run.parse_mix("interactive:1,batch:3", run.PRIORITIES, "p"),
+        formats=run.parse_mix("h264", run.FORMATS, "f"),
+    )
+    plans = run.plan_sessions(cfg)
+    assert plans == run.plan_sessions(cfg)
+    assert 300 < len(plans) < 500  # about 2/s over 200 s
+    assert all(0 <= p.start_at < 200 for p in plans)
+    batch = sum(p.priority == "batch" for p in plans) / len(plans)
+    assert 0.65 < batch < 0.85 and {p.priority for p in plans} == {"interactive", "batch"}
+    assert {p.format for p in plans} == {"h264"}
+    cancels = [p for p in plans if p.cancel_after is not None]
+    assert 0.15 < len(cancels) / len(plans) < 0.35
+    assert all(1 <= p.cancel_after < max(2, p.num_chunks) for p in cancels)
+
+
+def test_bad_arguments_exit_with_code_2(capsys):
+    base = ["--url", "ws://127.0.0.1:1/v1/stream", "--duration", "1"]
+    for argv in (
+        [*base, "--sessions", "0"],
+        [*base, "--arrival-rate", "1", "--priorities", "urgent:1"],
+        [*base, "--arrival-rate", "1", "--slow-factor", "0.5"],
+        ["--url", "http://x", "--duration", "1", "--sessions", "1"],
+        base,  # neither --arrival-rate nor --sessions
+    ):
+        with pytest.raises(SystemExit) as exc:
+            run.main(argv)
+        assert exc.value.code == 2
+        assert "error" in capsys.readouterr().err
+
+
+async def test_smoke_run_against_a_server(models, tmp_path):  # noqa: F811
+    engine = EngineConfig(max_streams=4, max_queue=32, ttff_budget_s=2.0)
+    _server, running = await start_server(models, engine)
+    try:
+        url = f"ws://127.0.0.1:{running.port}/v1/stream"
+        cfg = run.LoadConfig(
+            url=url,
+            duration_s=3.0,
+            model="tiny-act",
+            arrival_rate=3.0,
+            session_chunks=3.0,
+            cancel_share=0.3,
+            slow_share=0.3,
+            slow_factor=2.0,
+            priorities=run.parse_mix("interactive:1,standard:1,batch:1", run.PRIORITIES, "p"),
+            formats=run.parse_mix("jpeg:1,h264:1,rgb:1", run.FORMATS, "f"),
+            drain_s=60.0,
+            seed=3,
+        )
+        result = await run.run_load(cfg, progress=False)
+    finally:
+        await running.close()
+    sessions = result["sessions"]
+    assert len(sessions) == len(run.plan_sessions(cfg)) > 3
+    kinds = {s["kind"] for s in sessions}
+    assert {"normal", "cancel", "slow"} <= kinds, kinds
+    # Every session ended, the way its plan said, with no errors and no protocol breaks.
+    for s in sessions:
+        assert not s["protocol_errors"], s
+        assert s["error_code"] is None, s
+        got = len(s["chunk_times"])
+        if s["kind"] == "cancel":
+            assert s["end"] == "cancelled" and got >= 1, s
+        else:
+            assert s["end"] == "completed" and got == s["planned_chunks"], s
+            assert s["ttff_s"] is not None and s["ttff_s"] > 0
+    overall = result["overall"]
+    assert overall["errors"] == {}
+    assert overall["frames"] > 0 and 0.0 <= overall["deadline_attainment"] <= 1.0
+    # tiny-act takes actions: every session sent them and saw frames they condition.
+    assert overall["action_to_frame_s"]["n"] > 0
+    assert all(s["actions_sent"] > 0 for s in sessions)
+    # The server freed everything, and generated at least what the clients received.
+    server_side = result["server"]
+    assert server_side["kv_pages_used_after"] == 0 and server_side["sessions_active_after"] == 0
+    received = sum(sum(s["chunk_frames"]) for s in sessions)
+    assert server_side["deltas"]["streamworld_frames_generated_total"] >= received
+    assert run.check(result) == []
+    # The report and the JSON hold the same run.
+    text = run.format_report(result)
+    assert "all (not slow)" in text and "KV pages in use after the run 0" in text
+    out = tmp_path / "load.json"
+    out.write_text(json.dumps(result))
+    assert json.loads(out.read_text())["config"]["arrival_rate"] == 3.0
+
+
+async def test_held_sessions_on_the_default_model_without_prompt_or_image(pusht_server):  # noqa: F811
+    # pusht takes no prompt and gets its first frame from the server: the generator must ask
+    # /v1/models and send neither.
+    cfg = run.LoadConfig(url=pusht_server, duration_s=2.0, sessions=2, cancel_share=0.0, slow_share=0.0)
+    result = await run.run_load(cfg, progress=False)
+    assert result["model"]["id"] == "pusht"
+    for s in result["sessions"]:
+        assert s["error_code"] is None and s["end"] == "stopped" and s["chunk_times"], s
+    assert result["overall"]["action_to_frame_s"]["n"] > 0
+    assert run.check(result) == []

@@ -144,7 +144,8 @@ def plan_sessions(cfg: LoadConfig) -> list[SessionPlan]:
                 num_chunks=length,
                 priority=_draw(rng, cfg.priorities),
                 format=_draw(rng, cfg.formats),
-                slow=rng.random() < cfg.slow_share,
+                # A cancelling session reads at full speed: each session is one kind.
+                slow=cancel is None and rng.random() < cfg.slow_share,
                 cancel_after=cancel,
                 seed=cfg.seed * 100_003 + i,
             )
@@ -223,8 +224,16 @@ class Session:
         except ConnectionClosed as e:
             rec.close_code = e.rcvd.code if e.rcvd is not None else None
             if rec.end == "unfinished":
-                rec.end = "closed"
+                rec.end = "error" if rec.error_code else "closed"
                 rec.error_code = rec.error_code or "connection_closed"
+        except asyncio.CancelledError:
+            if rec.end == "unfinished":
+                rec.end, rec.error_code = "timeout", "drain_timeout"
+            raise
+        except Exception as e:  # anything else (a bad handshake, bad JSON) is an error, not lost
+            if rec.end == "unfinished":
+                rec.end, rec.error_code = "error", f"client:{type(e).__name__}"
+                rec.error_message = str(e)
         return rec
 
     async def _session(self, ws) -> None:

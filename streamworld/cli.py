@@ -522,7 +522,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             change_weight=args.change_weight,
         )
         device = "cpu"
-    if args.change_weight < 0:
+    if not args.change_weight >= 0:  # also refuses nan
         raise UsageError("--change-weight must be at least 0")
     for name in ("episodes", "steps_per_episode", "total_steps", "batch_size"):
         if getattr(args, name) < 1:

@@ -422,3 +422,30 @@ def test_action_track_holds_overwrites_and_forgets():
     assert track.hold(7, 9).ravel().tolist() == [5, 5]
     with pytest.raises(ValueError):
         track.hold(0, 2)
+
+
+async def test_cpu_model_work_runs_on_one_process_wide_thread(tiny_model):
+    """On a CPU every executor and `on_torch_thread` use one thread (executor.py says why)."""
+    import threading
+
+    from streamworld.engine.executor import on_torch_thread
+
+    seen: set[str] = set()
+    original = tiny_model.dit.run_blocks
+
+    def spy(*args, **kwargs):
+        seen.add(threading.current_thread().name)
+        return original(*args, **kwargs)
+
+    tiny_model.dit.run_blocks = spy
+    try:
+        async with AsyncEngine(tiny_model, engine_config()) as engine:
+            await collect(engine.open_stream(StreamRequest(seed=0, num_chunks=1)))
+            decode_thread = await engine.decoder.submit(lambda: threading.current_thread().name)
+            engine.decoder.done()
+    finally:
+        del tiny_model.dit.run_blocks
+    here = on_torch_thread("cpu", lambda: threading.current_thread().name)
+    nested = on_torch_thread("cpu", lambda: on_torch_thread("cpu", lambda: threading.current_thread().name))
+    assert seen == {decode_thread} == {here} == {nested} == {"streamworld-cpu"}
+    assert threading.current_thread().name != "streamworld-cpu"

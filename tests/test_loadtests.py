@@ -53,6 +53,7 @@ def test_plan_is_reproducible_and_follows_the_mixes():
     assert 0.65 < batch < 0.85 and {p.priority for p in plans} == {"interactive", "batch"}
     assert {p.format for p in plans} == {"h264"}
     cancels = [p for p in plans if p.cancel_after is not None]
+    assert not any(p.slow for p in cancels)  # one kind per session
     assert 0.15 < len(cancels) / len(plans) < 0.35
     assert all(1 <= p.cancel_after < max(2, p.num_chunks) for p in cancels)
 
@@ -131,7 +132,7 @@ async def test_smoke_run_against_a_server(models, tmp_path):  # noqa: F811
 async def test_held_sessions_on_the_default_model_without_prompt_or_image(pusht_server):  # noqa: F811
     # pusht takes no prompt and gets its first frame from the server: the generator must ask
     # /v1/models and send neither.
-    cfg = run.LoadConfig(url=pusht_server, duration_s=2.0, sessions=2, cancel_share=0.0, slow_share=0.0)
+    cfg = run.LoadConfig(url=pusht_server, duration_s=4.0, sessions=2, cancel_share=0.0, slow_share=0.0)
     result = await run.run_load(cfg, progress=False)
     assert result["model"]["id"] == "pusht"
     for s in result["sessions"]:

@@ -72,6 +72,10 @@ def server():
             "tiny-wan",
             "--port",
             str(port),
+            # The browser shares the cores: one PyTorch thread degrades gracefully there,
+            # where spinning OpenMP threads lose whole time slices (docs/benchmarks.md).
+            "--threads",
+            "1",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -149,10 +153,9 @@ def test_autostart_plays_changing_frames_at_the_stream_rate(server, page, fmt):
     stats = _stats(page)
     assert stats["state"] == "running" and stats["decoder"].startswith(fmt)
     first_digest, shown = _canvas_digest(page), stats["framesShown"]
-    time.sleep(4.0)
+    # The stream keeps playing: 20 more frames (2 s of video) are shown.
+    _wait_frames(page, shown + 20)
     stats = _stats(page)
-    # 10 frames/s stream: at least half the rate arrives and is shown (loose: shared CI cores).
-    assert stats["framesShown"] - shown >= 20
     assert _canvas_digest(page) != first_digest  # the picture changes
     assert stats["ttffMs"] is not None and stats["errors"] == []
     assert page.console_errors == []

@@ -18,55 +18,84 @@ loop runs at 42 frames/s on one thread and at 19 once a second thread has run an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
 T = TypeVar("T")
 
-_cpu_pool: ThreadPoolExecutor | None = None
-_cpu_thread: threading.Thread | None = None
+
+class _Worker:
+    """One daemon thread that runs submitted callables in order. (A ThreadPoolExecutor's
+    thread is joined at interpreter exit, so Ctrl-C would wait for the model work running.)"""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        fut: Future[T] = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            fut, fn, args = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+
+_cpu_worker: _Worker | None = None
 _cpu_lock = threading.Lock()
 
 
-def cpu_worker() -> ThreadPoolExecutor:
-    """The process's one thread for PyTorch CPU work (created on first use, never shut down)."""
-    global _cpu_pool
+def cpu_worker() -> _Worker:
+    """The process's one thread for PyTorch CPU work (created on first use)."""
+    global _cpu_worker
     with _cpu_lock:
-        if _cpu_pool is None:
-            _cpu_pool = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="streamworld-cpu", initializer=_note_cpu_thread
-            )
-        return _cpu_pool
-
-
-def _note_cpu_thread() -> None:
-    global _cpu_thread
-    _cpu_thread = threading.current_thread()
+        if _cpu_worker is None:
+            _cpu_worker = _Worker("streamworld-cpu")
+        return _cpu_worker
 
 
 def on_torch_thread(device: torch.device | str, fn: Callable[[], T]) -> T:
     """Runs `fn` where this process does its PyTorch work for `device` and returns its result:
     on a CPU the shared worker thread (waiting for it), elsewhere the calling thread."""
-    if torch.device(device).type != "cpu" or threading.current_thread() is _cpu_thread:
+    worker = cpu_worker() if torch.device(device).type == "cpu" else None
+    if worker is None or threading.current_thread() is worker.thread:
         return fn()
-    return cpu_worker().submit(fn).result()
+    fut = worker.submit(fn)
+    while True:  # timed waits, so that Ctrl-C in the main thread is seen at once
+        try:
+            return fut.result(timeout=0.25)
+        except concurrent.futures.TimeoutError:
+            continue
 
 
 class Executor:
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self.device = device
+        self._pool: _Worker | ThreadPoolExecutor
         if device.type == "cpu":
-            self._pool, self._owns_pool = cpu_worker(), False
+            self._pool = cpu_worker()
         else:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamworld-{name}")
-            self._owns_pool = True
+        self._futures: set[Future] = set()  # submitted and not finished
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.busy = False
         self.busy_s = 0.0  # seconds spent running work
@@ -75,7 +104,10 @@ class Executor:
     def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
         """Runs `fn` on this rank; the returned future completes on the calling loop."""
         self.busy = True
-        return asyncio.wrap_future(self._pool.submit(self._run, fn))
+        fut = self._pool.submit(self._run, fn)
+        self._futures.add(fut)
+        fut.add_done_callback(self._futures.discard)
+        return asyncio.wrap_future(fut)
 
     def _run(self, fn: Callable[[], T]) -> T:
         start = time.perf_counter()
@@ -98,5 +130,11 @@ class Executor:
         self.busy = False
 
     def shutdown(self) -> None:
-        if self._owns_pool:
+        """Returns once none of this executor's work is queued or running."""
+        if isinstance(self._pool, ThreadPoolExecutor):
             self._pool.shutdown(wait=True, cancel_futures=True)
+            return
+        # The shared CPU thread lives on. Our queued work is not cancelled (its completion
+        # callbacks expect a result or an error), but there is at most one batch per
+        # executor, so waiting is short.
+        concurrent.futures.wait(list(self._futures))

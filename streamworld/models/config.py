@@ -64,6 +64,8 @@ class ModelConfig:
             raise ValueError(f"{self.id}: default_kv_mode {self.default_kv_mode!r} not in {self.kv_modes}")
         if self.height % self.spatial_ratio or self.width % self.spatial_ratio:
             raise ValueError(f"{self.id}: frame size must be a multiple of {self.spatial_ratio}")
+        if self.vae.get("anchored") and not (self.pixel_space and self.needs_image):
+            raise ValueError(f"{self.id}: anchored latents need pixel space and a first image")
         if self.window_frames < self.latent_frames_per_chunk:
             raise ValueError(f"{self.id}: window_frames must hold at least one chunk")
         _, ph, pw = self.patch_size

@@ -180,8 +180,9 @@ class Trainer:
         if init is not None:
             # Fine-tuning: start from exported weights (ignored when resuming a checkpoint).
             from ..models.checkpoint import load_dit_state_dict, load_into
-            from ..models.world_model import _prefix_transformer
+            from ..models.world_model import _check_training_record, _prefix_transformer
 
+            _check_training_record(model_config, str(init))  # same prediction and latents
             load_into(model.dit, _prefix_transformer(load_dit_state_dict(str(init))), what=f"--init {init}")
         self.dit = model.dit.requires_grad_(True).train()
         self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)

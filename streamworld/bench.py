@@ -94,6 +94,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
             pass
         engine.stats.batch_sizes.clear()
         busy0 = [r.busy_s for r in engine.ranks]
+        all_busy0 = sum(ex.busy_s for ex in (*engine.ranks, engine.decoder, engine.prep))
         t0 = time.monotonic()
         handles = [
             engine.open_stream(
@@ -118,6 +119,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         await asyncio.sleep(cfg.duration_s)
         t1 = time.monotonic()
         busy1 = [r.busy_s for r in engine.ranks]
+        all_busy1 = sum(ex.busy_s for ex in (*engine.ranks, engine.decoder, engine.prep))
         for h in handles:
             h.cancel()
         await asyncio.gather(*tasks)
@@ -150,7 +152,12 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         "inter_chunk_s": {"p50": _percentile(gaps, 50), "p99": _percentile(gaps, 99)},
         "deadline_attainment": met / total_chunks if total_chunks else None,
         "batch_size_histogram": batch_hist,
+        # DiT ranks only; decode and prep work are not counted.
         "executor_idle_share": 1.0 - busy,
+        # On a CPU all executors share one thread: the share of time it had no work.
+        "cpu_thread_idle_share": (
+            max(0.0, 1.0 - (all_busy1 - all_busy0) / wall) if model.device.type == "cpu" else None
+        ),
         "kv_pages_total": pages_total,
     }
 
@@ -235,7 +242,13 @@ def format_report(result: dict) -> str:
         f"inter-chunk p50 {f(e['inter_chunk_s']['p50'], '.3f')} s, "
         f"p99 {f(e['inter_chunk_s']['p99'], '.3f')} s",
         f"         deadlines met {f(e['deadline_attainment'], '.1%')}; "
-        f"executor idle {e['executor_idle_share']:.1%}; batch sizes {e['batch_size_histogram']}",
+        f"DiT executor idle {e['executor_idle_share']:.1%}"
+        + (
+            f" (the one CPU thread: {e['cpu_thread_idle_share']:.1%})"
+            if e.get("cpu_thread_idle_share") is not None
+            else ""
+        )
+        + f"; batch sizes {e['batch_size_histogram']}",
     ]
     if "baseline" in result:
         b = result["baseline"]

@@ -56,8 +56,8 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=int,
-        help="PyTorch CPU threads (default: PyTorch's, one per core). On a 2-core CPU, 1 makes one "
-        "pusht stream through the engine 1.3x faster (docs/benchmarks.md)",
+        help="PyTorch CPU threads (default: PyTorch's, one per core). Use 1 when other busy "
+        "processes share the cores: OpenMP threads then lose whole time slices (docs/benchmarks.md)",
     )
 
 

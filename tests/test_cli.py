@@ -117,3 +117,19 @@ def test_module_entry_point_and_models_listing():
         check=True,
     ).stdout
     assert "--kv-mode" in help_text and "--random-weights" in help_text
+
+
+def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1.5", "--unpaced"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "engine   aggregate" in report and "ratio" in report
+    result = json.loads(out.read_text())
+    engine, base = result["engine"], result["baseline"]
+    assert len(engine["per_stream"]) == 2 and all(s["chunks"] >= 1 for s in engine["per_stream"])
+    assert engine["aggregate_fps"] > 0 and base["aggregate_fps"] > 0
+    assert result["speedup"] == pytest.approx(engine["aggregate_fps"] / base["aggregate_fps"])
+    assert 0.0 <= engine["cpu_thread_idle_share"] <= 1.0 and 0.0 <= engine["executor_idle_share"] <= 1.0
+    assert sum(engine["batch_size_histogram"].values()) > 0
+    assert main(["bench", "--model", "tiny-wan", "--streams", "0", "--duration", "1"]) == 2

@@ -49,6 +49,18 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run a real-size model with seeded random weights (timing benchmarks only)",
     )
+    p.add_argument(
+        "--frame-size",
+        metavar="HxW",
+        help="override the preset's frame size, height x width, e.g. 320x512 (timing studies; "
+        "trained weights such as pusht's only work at their own size)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        metavar="N",
+        help="override the preset's attention window (latent frames after the sink frames)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
@@ -283,6 +295,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _override(config, args: argparse.Namespace):
+    """The preset with --frame-size and --window applied."""
+    import dataclasses
+
+    changes: dict = {}
+    if args.frame_size is not None:
+        h, sep, w = args.frame_size.lower().partition("x")
+        if not (sep and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0):
+            raise UsageError(f"--frame-size must look like 320x512, got {args.frame_size!r}")
+        changes.update(height=int(h), width=int(w))
+    if args.window is not None:
+        changes["window_frames"] = args.window
+    if not changes:
+        return config
+    try:
+        return dataclasses.replace(config, **changes)
+    except ValueError as e:
+        raise UsageError(f"--frame-size/--window: {e}") from None
+
+
 def _load_model(args: argparse.Namespace):
     _apply_threads(args)
     from .engine.executor import on_torch_thread
@@ -290,7 +322,7 @@ def _load_model(args: argparse.Namespace):
     from .models.world_model import WeightPaths, WorldModel, resolve_device
 
     try:
-        config = get_preset(args.model)
+        config = _override(get_preset(args.model), args)
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
@@ -381,7 +413,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         write_mp4(result.frames, out, fps=model.config.fps)
     t, h, w, _ = result.frames.shape
     print(
-        f"wrote {out}: {t} frames {w}x{h} ({args.chunks} chunks, kv_mode "
+        f"wrote {out}: {t} frames of {h}x{w} (height x width, {args.chunks} chunks, kv_mode "
         f"{request.kv_mode or model.config.default_kv_mode}) in {elapsed:.2f} s "
         f"({t / elapsed:.1f} frames/s)"
     )
@@ -416,7 +448,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
     models = {}
     for mid in model_ids:
-        config = PRESETS[mid]
+        config = _override(PRESETS[mid], args)
         try:
             models[mid] = on_torch_thread(
                 resolve_device(args.device),

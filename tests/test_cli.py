@@ -133,3 +133,15 @@ def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
     assert 0.0 <= engine["cpu_thread_idle_share"] <= 1.0 and 0.0 <= engine["executor_idle_share"] <= 1.0
     assert sum(engine["batch_size_histogram"].values()) > 0
     assert main(["bench", "--model", "tiny-wan", "--streams", "0", "--duration", "1"]) == 2
+
+
+def test_frame_size_and_window_override_the_preset(tmp_path, capsys):
+    out = tmp_path / "small.npy"
+    args = ["generate", "--model", "tiny-wan", "--frame-size", "48x64", "--window", "4", "--chunks", "2"]
+    assert main([*args, "--out", str(out)]) == 0
+    frames = np.load(out)
+    assert frames.shape[1:] == (48, 64, 3)
+    assert "48x64 (height x width" in capsys.readouterr().out
+    for bad in (["--frame-size", "50x64"], ["--frame-size", "64"], ["--window", "0"]):
+        assert main(["generate", "--model", "tiny-wan", "--chunks", "1", "--out", str(out), *bad]) == 2
+        assert "--frame-size" in capsys.readouterr().err

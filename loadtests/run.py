@@ -594,25 +594,45 @@ def format_report(result: dict[str, Any]) -> str:
         if cfg["sessions"] is not None
         else f"Poisson arrivals {cfg['arrival_rate']}/s, mean {cfg['session_chunks']} chunks per session"
     )
-    lines = [
-        f"{cfg['url']}  model {result['model']['id']}  {cfg['duration_s']:.0f} s, {load}",
-        "class        sessions  chunks  ttff p50/p95 s  gap p50/p95/p99 s   jitter s  rtf p50  deadlines  "
-        "stalls (s)   action->frame p50/p95 s  errors",
-    ]
+    header = (
+        "class",
+        "sessions",
+        "chunks",
+        "ttff p50/p95 s",
+        "gap p50/p95/p99 s",
+        "jitter s",
+        "rtf p50",
+        "deadlines",
+        "stalls (s)",
+        "action->frame p50/p95 s",
+        "errors",
+    )
+    table = [header]
     rows = [("all (not slow)", result["overall"])] + [(k, v) for k, v in result["by_kind"].items()]
     rows += [(f"  {p}", v) for p, v in result["by_priority"].items()]
     for name, s in rows:
         ttff, gap, act = s["ttff_s"], s["inter_chunk_s"], s["action_to_frame_s"]
         deadlines = "-" if s["deadline_attainment"] is None else f"{100 * s['deadline_attainment']:.1f}%"
-        errors = ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "none"
-        lines.append(
-            f"{name:14s} {s['sessions']:6d} {s['chunks']:7d}  "
-            f"{_f(ttff['p50'], '{:.2f}')}/{_f(ttff['p95'], '{:.2f}'):5s}"
-            f"  {_f(gap['p50'])}/{_f(gap['p95'])}/{_f(gap['p99'])}  {_f(s['jitter_s']['mean'])}"
-            f"  {_f(s['real_time_factor']['p50'], '{:.2f}'):>6s}  {deadlines:>9s}"
-            f"  {s['stalls']['count']:4d} ({s['stalls']['seconds']:.1f})"
-            f"   {_f(act['p50'])}/{_f(act['p95'])}  {errors}"
+        table.append(
+            (
+                name,
+                str(s["sessions"]),
+                str(s["chunks"]),
+                f"{_f(ttff['p50'], '{:.2f}')}/{_f(ttff['p95'], '{:.2f}')}",
+                f"{_f(gap['p50'])}/{_f(gap['p95'])}/{_f(gap['p99'])}",
+                _f(s["jitter_s"]["mean"]),
+                _f(s["real_time_factor"]["p50"], "{:.2f}"),
+                deadlines,
+                f"{s['stalls']['count']} ({s['stalls']['seconds']:.1f})",
+                f"{_f(act['p50'])}/{_f(act['p95'])}",
+                ", ".join(f"{k} {v}" for k, v in s["errors"].items()) or "none",
+            )
         )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [f"{cfg['url']}  model {result['model']['id']}  {cfg['duration_s']:.0f} s, {load}"]
+    for row in table:
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)]
+        lines.append("  ".join([*cells, row[-1]]))
     server = result["server"]
     d = server["deltas"]
     lines.append(

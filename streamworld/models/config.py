@@ -64,7 +64,7 @@ class ModelConfig:
             raise ValueError(f"{self.id}: default_kv_mode {self.default_kv_mode!r} not in {self.kv_modes}")
         if self.height % self.spatial_ratio or self.width % self.spatial_ratio:
             raise ValueError(f"{self.id}: frame size must be a multiple of {self.spatial_ratio}")
-        if self.vae.get("anchored") and not (self.pixel_space and self.needs_image):
+        if self.vae.get("anchored", False) and not (self.pixel_space and self.needs_image):
             raise ValueError(f"{self.id}: anchored latents need pixel space and a first image")
         if self.window_frames < self.latent_frames_per_chunk:
             raise ValueError(f"{self.id}: window_frames must hold at least one chunk")
@@ -79,11 +79,16 @@ class ModelConfig:
         return self.vae.get("kind") == "pixels"
 
     @property
+    def anchored_pixels(self) -> bool:
+        """Pixel latents after the first frame are differences from it (`models/pixels.py`)."""
+        return self.pixel_space and bool(self.vae.get("anchored", False))
+
+    @property
     def latent_space(self) -> str:
         """What a latent is: "vae", "pixels" or "pixels-anchored" (recorded in trained weights)."""
         if not self.pixel_space:
             return "vae"
-        return "pixels-anchored" if self.vae.get("anchored", False) else "pixels"
+        return "pixels-anchored" if self.anchored_pixels else "pixels"
 
     @property
     def spatial_ratio(self) -> int:

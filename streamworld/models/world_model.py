@@ -153,7 +153,7 @@ class WorldModel:
         if config.pixel_space:
             if weights.vae is not None:
                 raise ValueError(f"model {config.id} works in pixel space and has no VAE to load")
-            vae = PixelCodec(anchored=config.latent_space == "pixels-anchored")
+            vae = PixelCodec(anchored=config.anchored_pixels)
         elif weights.vae is not None:
             vae = StreamingVAE.from_pretrained(weights.vae)
         else:

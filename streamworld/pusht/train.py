@@ -277,7 +277,7 @@ class Trainer:
         b = frames.shape[0]
         n, chunk = self.batcher.clip, self.batcher.chunk
         chunks = n // chunk
-        latents0 = frames_to_latents(frames, self.mcfg.latent_space == "pixels-anchored")
+        latents0 = frames_to_latents(frames, self.mcfg.anchored_pixels)
         sink, x0 = latents0[:, :, :1], latents0[:, :, 1:]
         weights = torch.tensor(self.cfg.regime_weights, device=dev)
         regime = torch.multinomial(weights, b, replacement=True, generator=g)  # 0 clean, 1 final, 2 noisy

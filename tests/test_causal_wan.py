@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from streamworld.engine.reference import ContiguousKVCache
-from streamworld.models.actions import gather_latent_actions
+from streamworld.models.actions import ActionAdapter, gather_latent_actions
 from streamworld.models.causal_wan import ChunkInput
-from tests.conftest import load_tiny
+from tests.conftest import load_tiny, tiny_config
 
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -18,11 +18,13 @@ def _cache(model, versions: int = 1) -> ContiguousKVCache:
     return ContiguousKVCache(versions, c.num_layers, c.tokens_per_frame, c.sink_frames, c.window_frames)
 
 
-@pytest.mark.parametrize("action_dim", [0, 3])
+@pytest.mark.parametrize(("action_dim", "spatial"), [(0, False), (3, False), (2, True)])
 @torch.inference_mode()
-def test_clean_cached_chunk_forward_equals_block_causal_full_sequence(action_dim):
+def test_clean_cached_chunk_forward_equals_block_causal_full_sequence(action_dim, spatial):
     # A window large enough that nothing is evicted: positions are then absolute frame indices.
-    model = load_tiny(window_frames=12, action_dim=action_dim)
+    model = load_tiny(window_frames=12, action_dim=action_dim, spatial_actions=spatial)
+    if spatial:  # its output layer starts at zero; make the spatial path count
+        torch.nn.init.normal_(model.dit.action_adapter.spatial.net[2].weight, std=0.1)
     cfg = model.config
     f = cfg.latent_frames_per_chunk
     gen = torch.Generator().manual_seed(1)
@@ -124,6 +126,40 @@ def test_rope_table_extends_for_any_number_of_frames():
     torch.testing.assert_close(cos**2 + sin**2, torch.ones_like(cos))
 
 
+def test_rotation_at_absolute_positions_matches_the_table_and_stays_relative_for_hours():
+    """Keys are cached rotated at absolute frame positions: the rotation must equal the
+    table's, and attention scores must depend only on position differences, also hours
+    into a stream (16 fps -> 4 latent frames/s: 100,000 frames is about 7 hours)."""
+    from streamworld.models.causal_wan import _rotate
+
+    model = load_tiny()
+    dit = model.dit
+    cos, sin = dit.rope(6)
+    cos_at, sin_at = dit.rope_at(range(6))
+    torch.testing.assert_close(cos_at, cos)
+    torch.testing.assert_close(sin_at, sin)
+    g = torch.Generator().manual_seed(0)
+    p = model.config.tokens_per_frame
+    q = torch.randn(p, 1, dit.head_dim, generator=g)
+    k = torch.randn(p, 1, dit.head_dim, generator=g)
+
+    def scores(q_frame: int, k_frame: int) -> torch.Tensor:
+        qc, qs = dit.rope_at([q_frame])
+        kc, ks = dit.rope_at([k_frame])
+        rq = _rotate(q, qc[0, :, None], qs[0, :, None])
+        rk = _rotate(k, kc[0, :, None], ks[0, :, None])
+        return rq[:, 0] @ rk[:, 0].T
+
+    near = scores(7, 3)
+    torch.testing.assert_close(scores(100_007, 100_003), near, rtol=1e-4, atol=1e-4)
+    # Moving rotated keys later in time equals rotating them there in the first place.
+    shift_c, shift_s = dit.temporal_shift(99_996)
+    kc, ks = dit.rope_at([3])
+    moved = _rotate(_rotate(k, kc[0, :, None], ks[0, :, None]), shift_c, shift_s)
+    kc2, ks2 = dit.rope_at([99_999])
+    torch.testing.assert_close(moved, _rotate(k, kc2[0, :, None], ks2[0, :, None]), rtol=1e-4, atol=1e-4)
+
+
 def test_rope_table_matches_diffusers_wan_rope():
     model = load_tiny()
     f = 5
@@ -133,3 +169,41 @@ def test_rope_table_matches_diffusers_wan_rope():
     ref_cos, ref_sin = model.dit.transformer.rope(x)  # [1, F*P, 1, d]
     torch.testing.assert_close(cos.flatten(0, 1), ref_cos[0, :, 0])
     torch.testing.assert_close(sin.flatten(0, 1), ref_sin[0, :, 0])
+
+
+def _spatial_adapter(grid=(4, 6), ratio=2) -> ActionAdapter:
+    torch.manual_seed(0)
+    adapter = ActionAdapter(2, ratio, 16, (0.0, 96.0), spatial_grid=grid)
+    return adapter
+
+
+@torch.inference_mode()
+def test_spatial_actions_start_as_a_no_op():
+    """Adding the spatial path to trained weights changes nothing until it is trained."""
+    adapter = _spatial_adapter()
+    feats = adapter.spatial_tokens(torch.rand(2, 3, 4) * 96)
+    assert feats.shape == (2, 3 * 4 * 6, 16)
+    assert torch.count_nonzero(feats) == 0
+
+
+@torch.inference_mode()
+def test_spatial_action_features_follow_the_target_across_the_grid():
+    """Features depend on the offset between token and target: moving the target by one
+    patch moves the features by one token, and tokens far from it differ from near ones."""
+    adapter = _spatial_adapter(grid=(4, 6), ratio=1)
+    torch.nn.init.normal_(adapter.spatial.net[2].weight)
+    # A 6x4 token grid over a 96x96 action range: one patch is 16 x 24 action units.
+    a = torch.tensor([[[40.0, 36.0]]])  # x (width), y (height)
+    moved = a + torch.tensor([16.0, 24.0])  # one patch right and one down
+    f0 = adapter.spatial_tokens(a).view(4, 6, -1)
+    f1 = adapter.spatial_tokens(moved).view(4, 6, -1)
+    torch.testing.assert_close(f1[1:, 1:], f0[:-1, :-1], rtol=1e-4, atol=1e-5)
+    near, far = f0[1, 2], f0[3, 5]  # token (row 1, col 2) holds the target
+    assert (near - far).abs().max() > 1e-3
+
+
+def test_spatial_actions_need_2d_actions():
+    with pytest.raises(ValueError, match="action_dim must be 2"):
+        tiny_config(action_dim=3, spatial_actions=True)
+    with pytest.raises(ValueError, match="positions"):
+        ActionAdapter(3, 1, 8, spatial_grid=(2, 2))

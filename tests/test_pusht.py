@@ -271,3 +271,42 @@ async def test_interactive_client_streams_actions_from_a_file_into_an_mp4(pusht_
     # Keyboard mode needs a terminal: a clear error and exit code 2, no session.
     code, _, stderr = await _run_example(client, "--url", pusht_server, "--keyboard")
     assert code == 2 and "terminal" in stderr.lower()
+
+
+def test_init_without_spatial_actions_starts_from_exactly_the_old_model(tmp_path):
+    """Fine-tuning weights trained before the spatial action embedding: the new path starts
+    at zero, so the first model equals the old one."""
+    from streamworld.models.world_model import WeightPaths
+    from streamworld.pusht.train import TrainConfig, Trainer, smoke_config
+
+    new_cfg = smoke_config(get_preset("pusht"))
+    assert new_cfg.spatial_actions
+    old_cfg = dataclasses.replace(new_cfg, spatial_actions=False)
+    spec = DatasetSpec(episodes=2, steps=20, size=64, seed=1)
+    generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
+    data = Dataset.load(tmp_path / "d")
+    weights = Trainer(old_cfg, TrainConfig(total_steps=1), data, tmp_path / "old", "cpu").export(
+        tmp_path / "old.safetensors"
+    )
+    trainer = Trainer(new_cfg, TrainConfig(total_steps=1), data, tmp_path / "t", "cpu", weights)
+    old_model = WorldModel.load(old_cfg, WeightPaths(dit=str(weights)))
+    old = old_model.dit
+    new = trainer.dit.eval()
+    assert new.action_adapter.spatial is not None and old.action_adapter.spatial is None
+    cfg = old_cfg
+    f = cfg.latent_frames_per_chunk
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, 3, 2 * f, cfg.height, cfg.width, generator=g)
+    t = torch.full((1, 2 * f), 500.0)
+    acts = torch.rand(1, 2 * f, 2, generator=g) * 512
+    chunk_ids = torch.arange(2).repeat_interleave(f)
+    text = old_model.text_context("")
+    with torch.no_grad():
+        a = old.forward_sequence(latents, t, text, chunk_ids, acts)
+        b = new.forward_sequence(latents, t, text, chunk_ids, acts)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Without the zero start the new path would change the output.
+    torch.nn.init.normal_(new.action_adapter.spatial.net[2].weight)
+    with torch.no_grad():
+        c = new.forward_sequence(latents, t, text, chunk_ids, acts)
+    assert (c - a).abs().max() > 1e-3

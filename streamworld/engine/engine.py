@@ -217,6 +217,9 @@ class AsyncEngine:
         pages = worst * self.config.max_streams
         if model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(model.device)
+            # Memory PyTorch's allocator holds but does not use is free for the pool too
+            # (an engine closed earlier in this process leaves its pool there).
+            free += torch.cuda.memory_reserved(model.device) - torch.cuda.memory_allocated(model.device)
             element = torch.empty((), dtype=model.dtype).element_size()
             # A page in every stage: K and V of one frame for all blocks.
             page_bytes = 2 * cfg.num_layers * cfg.tokens_per_frame * model.dit.dim * element
@@ -624,6 +627,8 @@ class AsyncEngine:
             table.context_pages(unit.stage, read, chunk.first_frame),
             [table.ensure(unit.stage, v, frames) for v in writes],
             self.model.config.tokens_per_frame,
+            chunk.first_frame,
+            min(self.model.config.sink_frames, chunk.first_frame),
         )
         return _Work(unit, stream, chunk, view, writes)
 

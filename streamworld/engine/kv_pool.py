@@ -160,6 +160,11 @@ class PagedKVView:
     read_pages: list[int]
     write_pages: list[list[int]]  # per written version, one page per chunk frame
     tokens_per_frame: int
+    first_frame: int  # absolute latent frame index of the chunk's first frame
+    sink_frames: int  # sink frames at the start of the context
+    # Page indices on the pool's device, made once per view (not once per block).
+    _read_idx: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _write_idx: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def context_frames(self) -> int:
@@ -169,7 +174,9 @@ class PagedKVView:
         if not self.read_pages:
             return None
         local = block - self.stage.start
-        idx = torch.tensor(self.read_pages, device=self.pool.keys[self.stage.index].device)
+        if self._read_idx is None:
+            self._read_idx = torch.tensor(self.read_pages, device=self.pool.keys[self.stage.index].device)
+        idx = self._read_idx
         k = self.pool.keys[self.stage.index][idx, local]
         v = self.pool.values[self.stage.index][idx, local]
         return k.flatten(0, 1), v.flatten(0, 1)
@@ -178,7 +185,60 @@ class PagedKVView:
         local = block - self.stage.start
         p = self.tokens_per_frame
         keys, values = self.pool.keys[self.stage.index], self.pool.values[self.stage.index]
-        for pages in self.write_pages:
-            idx = torch.tensor(pages, device=keys.device)
+        if self._write_idx is None:
+            self._write_idx = [torch.tensor(pages, device=keys.device) for pages in self.write_pages]
+        for pages, idx in zip(self.write_pages, self._write_idx, strict=True):
             keys[idx, local] = key.reshape(len(pages), p, *key.shape[1:]).to(keys.dtype)
             values[idx, local] = value.reshape(len(pages), p, *value.shape[1:]).to(values.dtype)
+
+    @staticmethod
+    def plan(views: list[PagedKVView]) -> PagedKVBatch | None:
+        """One batched reader/writer for views of one pool and stage whose contexts have the
+        same length (None otherwise): each block then costs one gather and one scatter for
+        the whole batch instead of several small copies per unit."""
+        first = views[0]
+        if any(
+            v.pool is not first.pool
+            or v.stage.index != first.stage.index
+            or len(v.read_pages) != len(first.read_pages)
+            for v in views
+        ):
+            return None
+        return PagedKVBatch(views)
+
+
+class PagedKVBatch:
+    """The K/V reads and writes of a batch of `PagedKVView`s, one copy per block."""
+
+    def __init__(self, views: list[PagedKVView]) -> None:
+        pool, stage = views[0].pool, views[0].stage
+        self.keys, self.values = pool.keys[stage.index], pool.values[stage.index]
+        self.start = stage.start
+        self.p = views[0].tokens_per_frame
+        device = self.keys.device
+        self.read = (
+            torch.tensor([v.read_pages for v in views], device=device) if views[0].read_pages else None
+        )
+        pages, rows = [], []
+        for i, v in enumerate(views):
+            for version_pages in v.write_pages:
+                pages.extend(version_pages)
+                rows.extend(i * len(version_pages) + j for j in range(len(version_pages)))
+        self.write = torch.tensor(pages, device=device) if pages else None
+        self.rows = torch.tensor(rows, device=device) if pages else None
+
+    def context(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values [B, context_frames * P, H, d]."""
+        if self.read is None:
+            return None
+        local = block - self.start
+        return self.keys[self.read, local].flatten(1, 2), self.values[self.read, local].flatten(1, 2)
+
+    def store(self, block: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The units' own keys and values [B, F * P, H, d]."""
+        if self.write is None:
+            return
+        local = block - self.start
+        shape = (-1, self.p, *key.shape[2:])
+        self.keys[self.write, local] = key.reshape(shape)[self.rows].to(self.keys.dtype)
+        self.values[self.write, local] = value.reshape(shape)[self.rows].to(self.values.dtype)

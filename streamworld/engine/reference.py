@@ -85,6 +85,10 @@ class _ReferenceView:
     def context_frames(self) -> int:
         return len(self.frames)
 
+    @property
+    def sink_frames(self) -> int:
+        return min(self.cache.sink, self.first_frame)
+
     def context(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.frames:
             return None

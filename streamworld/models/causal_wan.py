@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +66,19 @@ class StageActivation:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Wan's interleaved RoPE: channel pairs (2i, 2i+1) rotate by the angle in cos/sin[2i]."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    c, s = cos[..., 0::2], sin[..., 0::2]
-    out = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
-    return out.type_as(x)
+    return _rotate_by(x, _turn(cos, sin))
+
+
+def _turn(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation as complex numbers [..., d / 2] (one per channel pair)."""
+    return torch.complex(cos[..., 0::2].float(), sin[..., 0::2].float())
+
+
+def _rotate_by(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
+    """Channel pairs as complex numbers times `turn`: one multiplication kernel instead of
+    the half a dozen of the real-valued form, with the same result."""
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 
 
 class CausalWanDiT(nn.Module):
@@ -78,6 +88,7 @@ class CausalWanDiT(nn.Module):
         *,
         action_dim: int = 0,
         action_range: tuple[float, float] = (-1.0, 1.0),
+        spatial_actions: bool = False,
         temporal_ratio: int = 4,
         latent_height: int,
         latent_width: int,
@@ -98,7 +109,11 @@ class CausalWanDiT(nn.Module):
         self.grid = (latent_height // ph, latent_width // pw)
         self.tokens_per_frame = self.grid[0] * self.grid[1]
         self.action_adapter = (
-            ActionAdapter(action_dim, temporal_ratio, self.dim, action_range) if action_dim else None
+            ActionAdapter(
+                action_dim, temporal_ratio, self.dim, action_range, self.grid if spatial_actions else None
+            )
+            if action_dim
+            else None
         )
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -134,6 +149,39 @@ class CausalWanDiT(nn.Module):
             return torch.cat(parts, dim=-1).reshape(num_frames, gh * gw, -1).float().to(device)
 
         return grid(*(a[0] for a in axes)), grid(*(a[1] for a in axes))
+
+    def _temporal_angles(self, positions: Sequence[int]) -> torch.Tensor:
+        """Temporal RoPE angles [n, t_dim] (pairs repeated), float64 on the CPU, so that
+        positions in the hours of a long stream keep their precision."""
+        t_dim = self.transformer.rope.t_dim
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, t_dim, 2, dtype=torch.float64) / t_dim))
+        pos = torch.as_tensor(list(positions), dtype=torch.float64)
+        return torch.outer(pos, inv_freq).repeat_interleave(2, dim=1)
+
+    def rope_at(self, frames: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [len(frames), P, d] for any absolute temporal positions (no table, so
+        no limit on how long a stream runs)."""
+        device = self.transformer.proj_out.weight.device
+        cos, sin = self.rope(1)  # the spatial (height, width) parts do not depend on time
+        t_dim = self.transformer.rope.t_dim
+        angles = self._temporal_angles(frames)
+        n, p = angles.shape[0], cos.shape[1]
+
+        def full(t: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+            t = t.float().to(device).view(n, 1, t_dim).expand(n, p, t_dim)
+            return torch.cat([t, table[:, :, t_dim:].expand(n, p, -1)], dim=-1)
+
+        return full(angles.cos(), cos), full(angles.sin(), sin)
+
+    def temporal_shift(self, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [d] that move already rotated keys `frames` positions later in time
+        (the height and width channels are left as they are)."""
+        device = self.transformer.proj_out.weight.device
+        angles = self._temporal_angles([frames])[0]
+        rest = self.head_dim - angles.shape[0]
+        cos = torch.cat([angles.cos(), torch.ones(rest, dtype=torch.float64)])
+        sin = torch.cat([angles.sin(), torch.zeros(rest, dtype=torch.float64)])
+        return cos.float().to(device), sin.float().to(device)
 
     # --- conditioning -------------------------------------------------------------------
     def prepare_text(self, text_embeds: torch.Tensor) -> CrossKV:
@@ -177,42 +225,85 @@ class CausalWanDiT(nn.Module):
                 raise ValueError("this model takes actions; a unit has none")
             actions = torch.stack([u.latent_actions for u in units]).to(hidden.device)  # type: ignore[misc]
         modulation, temb = self._conditioning(timesteps, actions)
+        hidden = self._add_spatial_actions(hidden, actions)
         return StageActivation(hidden, modulation, temb, num_frames=latents.shape[2])
+
+    def _add_spatial_actions(self, hidden: torch.Tensor, actions: torch.Tensor | None) -> torch.Tensor:
+        """hidden [B, F * P, D] plus the per-token action features, for spatial-action models."""
+        if self.action_adapter is None or actions is None:
+            return hidden
+        tokens = self.action_adapter.spatial_tokens(actions)
+        return hidden if tokens is None else hidden + tokens.to(hidden.dtype)
 
     def run_blocks(
         self, act: StageActivation, units: Sequence[ChunkInput], start: int, stop: int
     ) -> StageActivation:
         """Blocks [start, stop) on a batch of units, reading and writing K/V through their views.
 
-        Units whose contexts have the same length attend in one batched call; otherwise each
-        unit attends over exactly its own keys (one call per unit), so no compute is spent
-        on padding. Every other operation of the block runs on the whole batch.
+        Keys are rotated once, at the absolute positions of their frames, and cached that
+        way (`streamworld.models.kv`): the context is read as it is, and only the sink frames
+        are moved forward to sit directly before the window. Units whose contexts have the
+        same length attend in one batched call; otherwise each unit attends over exactly its
+        own keys (one call per unit), so no compute is spent on padding. Every other
+        operation of the block runs on the whole batch.
         """
         ctx_frames = [u.kv.context_frames for u in units]
-        cos, sin = self.rope(max(ctx_frames) + act.num_frames)
-        # Query positions follow each unit's own context: [B, N, 1, d].
-        q_cos = torch.stack([cos[c : c + act.num_frames].flatten(0, 1) for c in ctx_frames]).unsqueeze(2)
-        q_sin = torch.stack([sin[c : c + act.num_frames].flatten(0, 1) for c in ctx_frames]).unsqueeze(2)
-        ctx_cos = [cos[:c].flatten(0, 1)[:, None] for c in ctx_frames]
-        ctx_sin = [sin[:c].flatten(0, 1)[:, None] for c in ctx_frames]
+        p = self.tokens_per_frame
+        rotations = [self.rope_at(range(u.kv.first_frame, u.kv.first_frame + act.num_frames)) for u in units]
+        q_cos = torch.stack([c.flatten(0, 1) for c, _ in rotations]).unsqueeze(2)  # [B, N, 1, d]
+        q_sin = torch.stack([s.flatten(0, 1) for _, s in rotations]).unsqueeze(2)
+        # Sink frames sit at absolute positions 0..; the window frames right before the chunk.
+        # Moving the sinks up by the gap keeps every relative position within the context.
+        sink_moves: list[tuple[int, tuple[torch.Tensor, torch.Tensor]] | None] = []
+        for u, c in zip(units, ctx_frames, strict=True):
+            gap = u.kv.first_frame - c
+            sinks = u.kv.sink_frames
+            sink_moves.append((sinks * p, self.temporal_shift(gap)) if sinks and gap else None)
+        q_turn = _turn(q_cos, q_sin)
         uniform = all(c == ctx_frames[0] for c in ctx_frames)
+        batch = _batch_plan(units) if uniform else None
+        batch_move = None
+        if batch is not None and any(m is not None for m in sink_moves):
+            # Every unit that moves its sinks has the same number of them; the rest turn by 0.
+            n = next(m for m in sink_moves if m is not None)[0]
+            identity = (torch.ones_like(q_cos[0, 0, 0]), torch.zeros_like(q_cos[0, 0, 0]))
+            moves = [identity if m is None else m[1] for m in sink_moves]
+            cos = torch.stack([c for c, _ in moves])[:, None, None]  # [B, 1, 1, d]
+            sin = torch.stack([s for _, s in moves])[:, None, None]
+            batch_move = (n, cos, sin)
 
         for index in range(start, stop):
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index) -> torch.Tensor:
+                k = _rotate_by(k, q_turn)
+                if batch is not None:
+                    ctx = batch.context(index)
+                    batch.store(index, k, v)
+                    q = _rotate_by(q, q_turn)
+                    if ctx is None:
+                        return _sdpa(q, k, v, None)
+                    ctx_k, ctx_v = ctx[0].to(k.dtype), ctx[1].to(v.dtype)
+                    if batch_move is not None:
+                        n, cos, sin = batch_move
+                        ctx_k[:, :n] = _rotate(ctx_k[:, :n], cos, sin)
+                    return _sdpa(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), None)
                 keys, values = [], []
                 for i, unit in enumerate(units):
                     ctx = unit.kv.context(index)
                     unit.kv.store(index, k[i], v[i])
-                    own_k = _rotate(k[i], q_cos[i], q_sin[i])
                     if ctx is None or not ctx_frames[i]:
-                        keys.append(own_k)
+                        keys.append(k[i])
                         values.append(v[i])
+                        continue
+                    ctx_k, ctx_v = ctx[0].to(k.dtype), ctx[1].to(v.dtype)
+                    move = sink_moves[i]
+                    if move is None:
+                        keys.append(torch.cat([ctx_k, k[i]]))
                     else:
-                        ctx_k = _rotate(ctx[0].to(k.dtype), ctx_cos[i], ctx_sin[i])
-                        keys.append(torch.cat([ctx_k, own_k]))
-                        values.append(torch.cat([ctx[1].to(v.dtype), v[i]]))
-                q = _rotate(q, q_cos, q_sin)
+                        n, (cos, sin) = move
+                        keys.append(torch.cat([_rotate(ctx_k[:n], cos, sin), ctx_k[n:], k[i]]))
+                    values.append(torch.cat([ctx_v, v[i]]))
+                q = _rotate_by(q, q_turn)
                 if uniform:
                     return _sdpa(q, torch.stack(keys), torch.stack(values), None)
                 return torch.cat(
@@ -285,6 +376,8 @@ class CausalWanDiT(nn.Module):
         b, _, t = latents.shape[:3]
         hidden = self.transformer.patch_embedding(latents.to(dtype)).flatten(2).transpose(1, 2).contiguous()
         modulation, temb = self._conditioning(timesteps.float(), latent_actions)
+        if latent_actions is not None:
+            hidden = self._add_spatial_actions(hidden, latent_actions.to(hidden.device))
         act = StageActivation(hidden, modulation, temb, num_frames=t)
         positions = positions.to(hidden.device)
         cos, sin = self.rope(int(positions.max()) + 1)
@@ -334,6 +427,15 @@ class CausalWanDiT(nn.Module):
         h = (blk.norm3(x.float()).view(grid) * (1 + c_scale) + c_shift).view(b, n, d).type_as(x)
         ff = blk.ffn(h)
         return (x.float().view(grid) + ff.float().view(grid) * c_gate).view(b, n, d).type_as(x)
+
+
+def _batch_plan(units: Sequence[ChunkInput]) -> Any:
+    """The views' batched K/V reader/writer, when they offer one (`plan`) and agree."""
+    kind = type(units[0].kv)
+    plan = getattr(kind, "plan", None)
+    if plan is None or any(type(u.kv) is not kind for u in units):
+        return None
+    return plan([u.kv for u in units])
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

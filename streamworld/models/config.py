@@ -47,6 +47,9 @@ class ModelConfig:
     action_dim: int = 0
     # The range of action values the model was trained on (mapped to [-1, 1] inside it).
     action_range: tuple[float, float] = (-1.0, 1.0)
+    # 2-d actions that are positions in the frame (x along the width, y down the height, both
+    # spanning action_range) are also embedded per token (models/actions.py).
+    spatial_actions: bool = False
     needs_image: bool = False
     kv_modes: tuple[str, ...] = KV_MODES
     default_kv_mode: str = "clean"
@@ -66,6 +69,8 @@ class ModelConfig:
             raise ValueError(f"{self.id}: frame size must be a multiple of {self.spatial_ratio}")
         if self.vae.get("anchored", False) and not (self.pixel_space and self.needs_image):
             raise ValueError(f"{self.id}: anchored latents need pixel space and a first image")
+        if self.spatial_actions and self.action_dim != 2:
+            raise ValueError(f"{self.id}: spatial actions are (x, y) positions, so action_dim must be 2")
         if self.window_frames < self.latent_frames_per_chunk:
             raise ValueError(f"{self.id}: window_frames must hold at least one chunk")
         _, ph, pw = self.patch_size

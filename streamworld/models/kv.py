@@ -1,17 +1,20 @@
 """How the causal DiT reads and writes its self-attention K/V.
 
 The model never owns K/V memory. For every chunk it runs, the caller hands it a `KVView`:
-`context(block)` returns the keys and values of the context frames (in attention order,
-pre-RoPE) and `store(block, k, v)` receives the chunk's own keys and values. Which version
-a view reads and whether (and where) it writes is the caller's KV-mode logic; the sequential
+`context(block)` returns the keys and values of the context frames (in attention order)
+and `store(block, k, v)` receives the chunk's own keys and values. Which version a view
+reads and whether (and where) it writes is the caller's KV-mode logic; the sequential
 reference uses `streamworld.engine.reference.ContiguousKVCache`, the engine its page pool.
 
-Keys are stored *before* RoPE. Positions are assigned at read time, relative to the
-attention context: the n context frames get temporal positions 0..n-1 and the chunk's
-frames n..n+F-1. Until frames start leaving the window these equal absolute frame indices
-(so the cached forward equals the full-sequence forward); afterwards the sink frames sit
-directly before the window, and positions never exceed sink + window + chunk, however long
-the stream runs.
+Keys are stored *after* RoPE, rotated at the absolute latent frame index of their frame
+(DESIGN.md), so a cached key is rotated once and never again. Queries are rotated at their
+own absolute positions. Attention depends only on position differences, so the window
+frames, which directly precede the chunk, are where they should be. The sink frames keep
+positions 0.., and once frames leave the window a gap opens between them and the window;
+at read time the model moves the sink keys forward by that gap (one frame's worth of
+rotation), so the sinks sit directly before the window. Relative positions therefore never
+exceed sink + window + chunk however long the stream runs, and no position table grows:
+temporal angles are computed on demand in float64.
 """
 
 from __future__ import annotations
@@ -27,12 +30,23 @@ class KVView(Protocol):
         """Number of latent frames in the attention context of this chunk."""
         ...
 
+    @property
+    def first_frame(self) -> int:
+        """Absolute latent frame index of the chunk's first frame."""
+        ...
+
+    @property
+    def sink_frames(self) -> int:
+        """How many of the context frames (at its start) are sink frames."""
+        ...
+
     def context(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Pre-RoPE keys and values [context_frames * tokens_per_frame, heads, head_dim]."""
+        """Keys (rotated at their absolute positions) and values
+        [context_frames * tokens_per_frame, heads, head_dim]."""
         ...
 
     def store(self, block: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The chunk's own pre-RoPE keys and values [F * tokens_per_frame, heads, head_dim]."""
+        """The chunk's own keys (rotated) and values [F * tokens_per_frame, heads, head_dim]."""
         ...
 
 

@@ -151,6 +151,7 @@ PUSHT = ModelConfig(
     window_frames=8,
     action_dim=2,
     action_range=(0.0, 512.0),
+    spatial_actions=True,
     needs_image=True,
     # No commit pass (4 DiT passes per chunk instead of 5), and at least as good as `clean`
     # in the evaluation (docs/pusht.md).

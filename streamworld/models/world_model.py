@@ -135,6 +135,7 @@ class WorldModel:
                     config.dit,
                     action_dim=config.action_dim,
                     action_range=config.action_range,
+                    spatial_actions=config.spatial_actions,
                     temporal_ratio=config.temporal_ratio,
                     latent_height=config.latent_height,
                     latent_width=config.latent_width,

@@ -161,6 +161,17 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _add_new_spatial_actions(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> bool:
+    """Weights trained before the spatial action embedding existed: fill in its own (zero
+    output) initial values, so fine-tuning starts from exactly the old model. True if added."""
+    prefix = "action_adapter.spatial."
+    new = [k for k in own if k.startswith(prefix)]
+    if not new or any(k in state for k in new):
+        return False
+    state.update({k: own[k] for k in new})
+    return True
+
+
 class Trainer:
     def __init__(
         self,
@@ -183,7 +194,11 @@ class Trainer:
             from ..models.world_model import _check_training_record, _prefix_transformer
 
             _check_training_record(model_config, str(init))  # same prediction and latents
-            load_into(model.dit, _prefix_transformer(load_dit_state_dict(str(init))), what=f"--init {init}")
+            state = _prefix_transformer(load_dit_state_dict(str(init)))
+            added = _add_new_spatial_actions(model.dit.state_dict(), state)
+            if added:
+                print(f"note: {init} has no spatial action embedding; it starts at zero")
+            load_into(model.dit, state, what=f"--init {init}")
         self.dit = model.dit.requires_grad_(True).train()
         self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)
         self.ema = {k: v.detach().clone() for k, v in self.dit.state_dict().items()}

@@ -3,17 +3,27 @@ same work through the naive baseline (the streams one after another through the 
 reference loop) in the same process, and the ratio of the two.
 
 Reported: aggregate and per-stream frames/s, time to first frame, inter-chunk gaps
-(p50/p99), chunk deadline attainment, the batch-size histogram and the executors' idle
-share. Results go to stdout as a table and, with `--json`, to a JSON file.
+(p50/p99), chunk deadline attainment, the batch-size histogram and the executors' busy
+time. Results go to stdout as a table and, with `--json`, to a JSON file.
+
+With `profile` (CUDA only) the measured window runs under the PyTorch profiler, and the
+result says where the GPU time went: kernel time per executor (DiT ranks, VAE decode,
+prompt and image encoding), the share of the window in which no kernel ran at all (GPU
+idle), and the costliest kernels. The profiler slows the host side, so the throughput
+figures of a profiled run are not the ones to quote.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import platform
 import statistics
+import tempfile
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
@@ -45,6 +55,7 @@ class BenchConfig:
     ttff_budget_s: float = 1.0
     lookahead_chunks: float = 2.0
     baseline: bool = True
+    profile: bool = False  # CUDA only: where the GPU time goes (see the module docstring)
 
 
 def _inputs(model: WorldModel, seed: int) -> dict:
@@ -93,8 +104,10 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         async for _ in warm:
             pass
         engine.stats.batch_sizes.clear()
+        executors = {"dit": list(engine.ranks), "decode": [engine.decoder], "encode": [engine.prep]}
         busy0 = [r.busy_s for r in engine.ranks]
-        all_busy0 = sum(ex.busy_s for ex in (*engine.ranks, engine.decoder, engine.prep))
+        all_busy0 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
+        profiler = _start_profiler() if cfg.profile else None
         t0 = time.monotonic()
         handles = [
             engine.open_stream(
@@ -119,10 +132,21 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         await asyncio.sleep(cfg.duration_s)
         t1 = time.monotonic()
         busy1 = [r.busy_s for r in engine.ranks]
-        all_busy1 = sum(ex.busy_s for ex in (*engine.ranks, engine.decoder, engine.prep))
+        all_busy1 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
+        profile = None
+        if profiler is not None:
+            # The profiler names a thread by its native id or by the low 32 bits of its pthread id.
+            threads = {
+                tid: name
+                for name, v in executors.items()
+                for ex in v
+                for tid in (*(ex.thread_ids or ()), (ex.thread_ids or (0, 0))[1] & 0xFFFFFFFF)
+            }
+            profile = _stop_profiler(profiler, threads, (t1 - t0) * 1e6)
         for h in handles:
             h.cancel()
         await asyncio.gather(*tasks)
+        admitted = sum(1 for h in handles if h.queue_position == 0)
         batch_hist = dict(sorted(engine.stats.batch_sizes.items()))
         pages_total = engine.pool.pages_total
 
@@ -143,6 +167,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         total_chunks += len(rec)
         per_stream.append({"frames": frames, "fps": frames / wall, "chunks": len(rec), "ttff_s": ttff})
     busy = sum(b1 - b0 for b0, b1 in zip(busy0, busy1, strict=True)) / (wall * len(busy0))
+    all_busy = sum(all_busy1.values()) - sum(all_busy0.values())
     return {
         "wall_s": wall,
         "aggregate_fps": sum(s["frames"] for s in per_stream) / wall,
@@ -154,11 +179,89 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         "batch_size_histogram": batch_hist,
         # DiT ranks only; decode and prep work are not counted.
         "executor_idle_share": 1.0 - busy,
+        # Wall time each kind of executor spent running work (on a GPU: from the first launch
+        # to the end of its CUDA stream's sync), as a share of the window.
+        "executor_busy_share": {k: (all_busy1[k] - all_busy0[k]) / wall for k in executors},
         # On a CPU all executors share one thread: the share of time it had no work.
-        "cpu_thread_idle_share": (
-            max(0.0, 1.0 - (all_busy1 - all_busy0) / wall) if model.device.type == "cpu" else None
-        ),
+        "cpu_thread_idle_share": (max(0.0, 1.0 - all_busy / wall) if model.device.type == "cpu" else None),
         "kv_pages_total": pages_total,
+        # Streams the engine admitted (the rest waited for K/V pages the whole run).
+        "streams_admitted": admitted,
+        "profile": profile,
+    }
+
+
+def _start_profiler() -> torch.profiler.profile:
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    )
+    prof.start()
+    return prof
+
+
+def _stop_profiler(prof: torch.profiler.profile, threads: dict[int | None, str], window_us: float) -> dict:
+    prof.stop()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            trace = json.load(fh)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return summarise_gpu_trace(trace.get("traceEvents", []), threads, window_us)
+
+
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def summarise_gpu_trace(events: list[dict], threads: dict[int | None, str], window_us: float) -> dict:
+    """Where the GPU time of a profiler trace (Chrome trace events) went.
+
+    Each GPU activity is attributed to the executor whose thread launched it (through the
+    launch's correlation id); `threads` maps native thread ids to executor names. GPU busy
+    time is the union of all activity intervals, so overlapping streams count once; the
+    rest of `window_us` is GPU idle.
+    """
+    launcher: dict[int, int] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in args:
+            launcher[args["correlation"]] = e.get("tid")
+    per_executor: dict[str, float] = defaultdict(float)
+    per_kernel: dict[tuple[str, str], float] = defaultdict(float)
+    unattributed: dict[str, float] = defaultdict(float)  # launching thread id -> kernel time
+    intervals = []
+    for e in events:
+        if e.get("cat") not in _GPU_CATEGORIES or "dur" not in e:
+            continue
+        start, dur = float(e["ts"]), float(e["dur"])
+        intervals.append((start, start + dur))
+        tid = launcher.get((e.get("args") or {}).get("correlation"))
+        executor = threads.get(tid) or "other"
+        per_executor[executor] += dur
+        if executor == "other":
+            unattributed[str(tid)] += dur
+        per_kernel[(executor, e.get("name", "?"))] += dur
+    busy = 0.0
+    end = None
+    for lo, hi in sorted(intervals):
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]
+    return {
+        "window_s": window_us / 1e6,
+        "gpu_busy_s": busy / 1e6,
+        "gpu_idle_share": max(0.0, 1.0 - busy / window_us) if window_us > 0 else None,
+        # Summed kernel time; streams that overlap can add up to more than the window.
+        "kernel_s": {k: v / 1e6 for k, v in sorted(per_executor.items())},
+        "top_kernels_s": [{"executor": ex, "name": name, "s": v / 1e6} for (ex, name), v in top],
+        "other_by_thread_s": {k: v / 1e6 for k, v in unattributed.items()},
     }
 
 
@@ -237,7 +340,12 @@ def format_report(result: dict) -> str:
         f"{'paced (real-time clocks)' if cfg['paced'] else 'unpaced'}, {cfg['num_stages']} stage(s), "
         f"{cfg['num_ranks']} rank(s)",
         f"engine   aggregate {e['aggregate_fps']:.1f} frames/s; per stream "
-        + ", ".join(f"{s['fps']:.1f}" for s in e["per_stream"]),
+        + ", ".join(f"{s['fps']:.1f}" for s in e["per_stream"])
+        + (
+            f" ({e['streams_admitted']} of {cfg['streams']} streams admitted; the rest waited for K/V pages)"
+            if e.get("streams_admitted", cfg["streams"]) < cfg["streams"]
+            else ""
+        ),
         f"         time to first frame mean {f(e['ttff_s']['mean'])} s, max {f(e['ttff_s']['max'])} s; "
         f"inter-chunk p50 {f(e['inter_chunk_s']['p50'], '.3f')} s, "
         f"p99 {f(e['inter_chunk_s']['p99'], '.3f')} s",
@@ -249,7 +357,16 @@ def format_report(result: dict) -> str:
             else ""
         )
         + f"; batch sizes {e['batch_size_histogram']}",
+        "         executors busy "
+        + ", ".join(f"{k} {v:.1%}" for k, v in e.get("executor_busy_share", {}).items()),
     ]
+    prof = e.get("profile")
+    if prof:
+        lines.append(
+            f"profile  GPU idle {f(prof['gpu_idle_share'], '.1%')} of {prof['window_s']:.1f} s; kernel time "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in prof["kernel_s"].items())
+            + " (throughput figures of a profiled run are slowed by the profiler)"
+        )
     if "baseline" in result:
         b = result["baseline"]
         lines.append(

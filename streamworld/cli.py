@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds from start to chunk 0's deadline (default 1.0)",
     )
     bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA only: run the measured window under the PyTorch profiler and report GPU kernel "
+        "time per executor (DiT, decode, encode), GPU idle share and the costliest kernels "
+        "(the profiler slows the run: quote throughput from a run without it)",
+    )
     bench.add_argument("--json", metavar="PATH", help="write the full result as JSON")
     bench.set_defaults(func=cmd_bench)
 
@@ -498,6 +505,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json and not Path(args.json).resolve().parent.exists():
         raise UsageError(f"--json: folder {Path(args.json).parent} does not exist")
     model = _load_model(args)
+    if args.profile and model.device.type != "cuda":
+        raise UsageError("--profile reads GPU kernel times and needs a CUDA device (--device cuda)")
     if args.stages > model.config.num_layers:
         raise UsageError(f"--stages must be at most {model.config.num_layers} (the model's blocks)")
     cfg = BenchConfig(
@@ -513,6 +522,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_batch_units=args.max_batch,
         ttff_budget_s=args.ttff_budget,
         baseline=not args.no_baseline,
+        profile=args.profile,
     )
     result = run_bench(model, cfg)
     print(format_report(result))

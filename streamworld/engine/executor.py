@@ -99,6 +99,8 @@ class Executor:
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.busy = False
         self.busy_s = 0.0  # seconds spent running work
+        # Ids of the thread that runs the work (native and pthread), for profiles.
+        self.thread_ids: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
@@ -110,6 +112,7 @@ class Executor:
         return asyncio.wrap_future(fut)
 
     def _run(self, fn: Callable[[], T]) -> T:
+        self.thread_ids = (threading.get_native_id(), threading.get_ident())
         start = time.perf_counter()
         try:
             ctx = (

@@ -1,0 +1,132 @@
+"""The GPU study at real model scale: `wan2.1-t2v-1.3b --random-weights` (speed does not
+depend on weight values) through `streamworld bench`'s engine and baseline phases, with each
+geometry loaded once. GPU only.
+
+    python benchmarks/gpu_study.py --out study/            # every run
+    python benchmarks/gpu_study.py --out study/ --runs 480-1-noisy,320-8-noisy-paced
+
+Runs (name: streams, KV mode, pacing, what it answers):
+
+- 480x832, 18-frame window, 3 latent frames per chunk, 4 steps:
+  `480-1-{noisy,final,clean}`: one stream, unpaced, each KV mode against the sequential
+  loop in the same mode (frames/s and time to first frame end to end);
+  `480-1-noisy-profile`: the same under the PyTorch profiler (where the GPU time goes);
+  `480-2-noisy`: 2 streams, unpaced, against the `clean` sequential baseline.
+- 320x512, 6-frame window:
+  `320-N-noisy-paced` for N in 4, 6, 8, 10, 12: N real-time streams, no baseline (how many
+  hold 16 frames/s with 99% of deadlines);
+  `320-8-noisy`: 8 streams, unpaced, against the `clean` sequential baseline, then the
+  same under the profiler and with cuDNN autotuning (`torch.backends.cudnn.benchmark`).
+- `480-1-noisy-tb8k`: a token budget of one 480x832 unit per batch; `480-1-noisy-paced`:
+  real-time pacing (the time to first frame of an interactive session).
+
+Each run writes `<name>.json` (the `streamworld bench` result, plus the seconds the model
+took to load) into `--out`, and the driver prints one summary line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from streamworld.bench import BenchConfig, format_report, run_bench, write_json
+from streamworld.models import get_preset
+from streamworld.models.world_model import WorldModel
+
+GEOMETRIES = {
+    "480": dict(height=480, width=832, window_frames=18),
+    "320": dict(height=320, width=512, window_frames=6),
+}
+
+
+def _runs() -> list[tuple[str, str, BenchConfig]]:
+    runs = []
+    for mode in ("noisy", "final", "clean"):
+        runs.append((f"480-1-{mode}", "480", BenchConfig(1, 15.0, mode, mode, paced=False)))
+    # One unit per batch at this size (batching gains nothing here): does chunk 0 come sooner?
+    runs.append(
+        ("480-1-noisy-tb8k", "480", BenchConfig(1, 15.0, "noisy", "noisy", paced=False, token_budget=8192))
+    )
+    runs.append(("480-1-noisy-paced", "480", BenchConfig(1, 15.0, "noisy", "noisy")))
+    runs.append(
+        (
+            "480-1-noisy-profile",
+            "480",
+            BenchConfig(1, 8.0, "noisy", paced=False, baseline=False, profile=True),
+        )
+    )
+    runs.append(("480-2-noisy", "480", BenchConfig(2, 15.0, "noisy", "clean", paced=False)))
+    for n in (4, 6, 8, 10, 12):
+        runs.append((f"320-{n}-noisy-paced", "320", BenchConfig(n, 20.0, "noisy", baseline=False)))
+    runs.append(("320-8-noisy", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
+    runs.append(
+        (
+            "320-8-noisy-profile",
+            "320",
+            BenchConfig(8, 8.0, "noisy", paced=False, baseline=False, profile=True),
+        )
+    )
+    # cuDNN autotuning for the VAE's convolutions; process-wide, so it stays on after this run.
+    runs.append(("320-8-noisy-cudnn-benchmark", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="folder for the JSON results")
+    parser.add_argument("--runs", help="comma-separated run names (default: all)")
+    parser.add_argument("--duration-scale", type=float, default=1.0, help="multiply every run's duration")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the GPU study needs a CUDA device", file=sys.stderr)
+        return 2
+    runs = _runs()
+    if args.runs:
+        wanted = args.runs.split(",")
+        unknown = sorted(set(wanted) - {name for name, _, _ in runs})
+        if unknown:
+            print(f"error: unknown runs {unknown}; known: {[n for n, _, _ in runs]}", file=sys.stderr)
+            return 2
+        runs = [r for r in runs if r[0] in wanted]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models: dict[str, tuple[WorldModel, float]] = {}
+    for name, geometry, cfg in runs:
+        if geometry not in models:
+            models.clear()  # one model on the GPU at a time
+            torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            config = dataclasses.replace(get_preset("wan2.1-t2v-1.3b"), **GEOMETRIES[geometry])
+            model = WorldModel.load(config, random_weights=True, device="cuda", dtype="bfloat16")
+            models[geometry] = (model, time.perf_counter() - t0)
+            print(f"--- loaded {config.height}x{config.width} in {models[geometry][1]:.1f} s", flush=True)
+        model, load_s = models[geometry]
+        cfg = dataclasses.replace(cfg, duration_s=cfg.duration_s * args.duration_scale)
+        if name.endswith("cudnn-benchmark"):
+            torch.backends.cudnn.benchmark = True
+        print(f"=== {name}", flush=True)
+        result = run_bench(model, cfg)
+        result["run"] = name
+        result["model_load_s"] = load_s
+        result["geometry"] = (
+            f"{model.config.height}x{model.config.width}, window {model.config.window_frames}"
+        )
+        print(format_report(result), flush=True)
+        result["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+        write_json(result, str(out / f"{name}.json"))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    print(json.dumps({"runs": [r[0] for r in runs]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, geometry, cfg in runs:
         if geometry not in models:
             models.clear()  # one model on the GPU at a time
+            model = None
             torch.cuda.empty_cache()
             t0 = time.perf_counter()
             config = dataclasses.replace(get_preset("wan2.1-t2v-1.3b"), **GEOMETRIES[geometry])

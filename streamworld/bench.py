@@ -131,6 +131,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         tasks = [asyncio.create_task(drain(i)) for i in range(len(handles))]
         await asyncio.sleep(cfg.duration_s)
         t1 = time.monotonic()
+        admitted = sum(1 for h in handles if h.queue_position == 0)  # before cancelling admits others
         busy1 = [r.busy_s for r in engine.ranks]
         all_busy1 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
         profile = None
@@ -146,7 +147,6 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         for h in handles:
             h.cancel()
         await asyncio.gather(*tasks)
-        admitted = sum(1 for h in handles if h.queue_position == 0)
         batch_hist = dict(sorted(engine.stats.batch_sizes.items()))
         pages_total = engine.pool.pages_total
 
@@ -181,7 +181,9 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         "executor_idle_share": 1.0 - busy,
         # Wall time each kind of executor spent running work (on a GPU: from the first launch
         # to the end of its CUDA stream's sync), as a share of the window.
-        "executor_busy_share": {k: (all_busy1[k] - all_busy0[k]) / wall for k in executors},
+        "executor_busy_share": {
+            k: (all_busy1[k] - all_busy0[k]) / (wall * len(v)) for k, v in executors.items()
+        },
         # On a CPU all executors share one thread: the share of time it had no work.
         "cpu_thread_idle_share": (max(0.0, 1.0 - all_busy / wall) if model.device.type == "cpu" else None),
         "kv_pages_total": pages_total,

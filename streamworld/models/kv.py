@@ -6,13 +6,13 @@ and `store(block, k, v)` receives the chunk's own keys and values. Which version
 reads and whether (and where) it writes is the caller's KV-mode logic; the sequential
 reference uses `streamworld.engine.reference.ContiguousKVCache`, the engine its page pool.
 
-Keys are stored *after* RoPE, rotated at the absolute latent frame index of their frame
-(DESIGN.md), so a cached key is rotated once and never again. Queries are rotated at their
+Keys are stored *after* RoPE, rotated at the absolute latent frame index of their frame,
+so a cached key is rotated once and never again. Queries are rotated at their
 own absolute positions. Attention depends only on position differences, so the window
 frames, which directly precede the chunk, are where they should be. The sink frames keep
 positions 0.., and once frames leave the window a gap opens between them and the window;
-at read time the model moves the sink keys forward by that gap (one frame's worth of
-rotation), so the sinks sit directly before the window. Relative positions therefore never
+at read time the model moves the sink keys forward by that gap (one temporal rotation of
+the sink frames' keys), so the sinks sit directly before the window. Relative positions therefore never
 exceed sink + window + chunk however long the stream runs, and no position table grows:
 temporal angles are computed on demand in float64.
 """

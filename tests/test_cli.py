@@ -132,7 +132,17 @@ def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
     assert result["speedup"] == pytest.approx(engine["aggregate_fps"] / base["aggregate_fps"])
     assert 0.0 <= engine["cpu_thread_idle_share"] <= 1.0 and 0.0 <= engine["executor_idle_share"] <= 1.0
     assert sum(engine["batch_size_histogram"].values()) > 0
+    assert engine["streams_admitted"] == 2 and set(engine["executor_busy_share"]) == {
+        "dit",
+        "decode",
+        "encode",
+    }
     assert main(["bench", "--model", "tiny-wan", "--streams", "0", "--duration", "1"]) == 2
+    # A token budget below one unit: the most urgent unit still goes, alone.
+    one = tmp_path / "one.json"
+    assert main([*args, "--no-baseline", "--token-budget", "1", "--json", str(one)]) == 0
+    assert set(json.loads(one.read_text())["engine"]["batch_size_histogram"]) == {"1"}
+    assert main([*args, "--token-budget", "0"]) == 2
 
 
 def test_frame_size_and_window_override_the_preset(tmp_path, capsys):

@@ -101,6 +101,7 @@ class LoadConfig:
     prompt: str = "a walk through a forest"
     playout_buffer_s: float = 0.5
     send_actions: bool = True
+    ack: bool = False  # acknowledge each chunk once read (the protocol's `ack` extension)
     drain_s: float = 30.0
     seed: int = 0
 
@@ -267,6 +268,7 @@ class Session:
                         pending_meta = None  # the fmp4 initialization segment
                         continue
                     await self._on_payload(pending_meta, message, sent_at)
+                    index = pending_meta.get("index")
                     pending_meta = None
                     if plan.cancel_after is not None and len(rec.chunk_times) >= plan.cancel_after:
                         rec.end = "cancelled"
@@ -276,6 +278,10 @@ class Session:
                         # Read the next message only after this chunk would have played
                         # `slow_factor` times over.
                         await asyncio.sleep(cfg.slow_factor * rec.chunk_frames[-1] / rec.fps)
+                    if cfg.ack and isinstance(index, int):
+                        # The session may have ended meanwhile; its last messages are still read.
+                        with contextlib.suppress(ConnectionClosed):
+                            await ws.send(json.dumps({"type": "ack", "chunk": index}))
                     continue
                 msg = json.loads(message)
                 kind = msg.get("type")
@@ -692,6 +698,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--playout-buffer", type=float, default=0.5, help="seconds the simulated player buffers first"
     )
     p.add_argument("--no-actions", action="store_true", help="do not send actions to action models")
+    p.add_argument(
+        "--ack",
+        action="store_true",
+        help="acknowledge each chunk once read (protocol extension): the server then holds a slow "
+        "reader's lag to a few chunks by pausing its stream, instead of letting socket buffers fill",
+    )
     p.add_argument("--drain", type=float, default=30.0, help="seconds for sessions to end after the run")
     p.add_argument("--seed", type=int, default=0, help="seed of the session plan (arrivals, mixes, lengths)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
@@ -729,6 +741,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         prompt=args.prompt,
         playout_buffer_s=args.playout_buffer,
         send_actions=not args.no_actions,
+        ack=args.ack,
         drain_s=args.drain,
         seed=args.seed,
     )

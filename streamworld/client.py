@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import inspect
 import io
 import itertools
@@ -323,6 +324,10 @@ class StreamWorldClient:
     so the server's defaults apply. `start_fields` are merged into `session.start` last (for
     protocol extensions). `decode=False` skips decoding (`Chunk.frames` is None), for load tests.
     `on_queued(position)` (a function or coroutine function) is called for each `session.queued`.
+    `ack=True` acknowledges each chunk once the caller asks `chunks()` for the next one (the
+    protocol's `ack` extension): the server then keeps this session's lag to a few chunks,
+    pausing its stream while the caller is slow, instead of letting chunks pile up in
+    socket buffers. `ack(index)` sends one by hand.
 
     After the start: `info` (SessionInfo), `queue_position` (the last one announced, if the
     session had to wait), `init_segment` (fmp4), `errors` (every `error` received during the
@@ -345,6 +350,7 @@ class StreamWorldClient:
         start_fields: Mapping[str, Any] | None = None,
         decode: bool = True,
         on_queued: Callable[[int], Any] | None = None,
+        ack: bool = False,
         max_size: int | None = DEFAULT_MAX_SIZE,
         open_timeout: float | None = 10.0,
         start_timeout: float | None = None,
@@ -353,6 +359,7 @@ class StreamWorldClient:
         self.format = format
         self.decode = decode
         self.on_queued = on_queued
+        self.auto_ack = ack
         self.max_size = max_size
         self.open_timeout = open_timeout
         self.start_timeout = start_timeout
@@ -633,6 +640,9 @@ class StreamWorldClient:
                     return
                 chunk = await self._to_chunk(item)
             yield chunk
+            if self.auto_ack:  # the caller is back for more: it has consumed this one
+                with contextlib.suppress(StreamWorldError):  # the session may just have ended
+                    await self.ack(chunk.index)
 
     async def _to_chunk(self, item: _Payload) -> Chunk:
         meta = item.meta
@@ -691,6 +701,10 @@ class StreamWorldClient:
     async def set_prompt(self, prompt: str) -> None:
         """Switches the prompt from the next chunk that has not started."""
         await self._send({"type": "prompt", "prompt": prompt})
+
+    async def ack(self, index: int) -> None:
+        """Tells the server that every chunk up to `index` has been consumed (see `ack=`)."""
+        await self._send({"type": "ack", "chunk": int(index)})
 
     async def stop(self) -> None:
         """Asks the server to finish the chunk in flight and end the session (`chunks()` then ends)."""

@@ -139,3 +139,27 @@ async def test_held_sessions_on_the_default_model_without_prompt_or_image(pusht_
         assert s["error_code"] is None and s["end"] == "stopped" and s["chunk_times"], s
     assert result["overall"]["action_to_frame_s"]["n"] > 0
     assert run.check(result) == []
+
+
+async def test_acking_slow_readers_end_cleanly_and_the_server_does_not_run_ahead(pusht_server):  # noqa: F811
+    # Slow readers that acknowledge what they read: the server paces them (it generates
+    # about what they read, not real time), and they end as planned, without errors.
+    cfg = run.LoadConfig(
+        url=pusht_server,
+        duration_s=8.0,
+        sessions=2,
+        cancel_share=0.0,
+        slow_share=1.0,
+        slow_factor=4.0,
+        ack=True,
+    )
+    result = await run.run_load(cfg, progress=False)
+    read = sum(len(s["chunk_times"]) for s in result["sessions"])
+    for s in result["sessions"]:
+        assert s["error_code"] is None and s["end"] == "stopped" and s["kind"] == "slow", s
+    generated = result["server"]["deltas"]["streamworld_frames_generated_total"]
+    # Real time would be 8 s x 10 fps x 2 sessions = 160 frames (40 chunks); they read about
+    # a quarter of that. The server may be ahead of each reader by its ack window (3) and
+    # the chunks that had started when the stream paused.
+    assert generated <= (read + 2 * 6) * result["model"]["frames_per_chunk"] < 160
+    assert run.check(result) == []

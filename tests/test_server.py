@@ -492,3 +492,50 @@ async def test_malformed_numbers_are_bad_requests_and_a_client_leaving_after_a_p
         await asyncio.sleep(0.05)
     assert await metric(http, "streamworld_kv_pages_used", "tiny-act") == 0
     assert not server.sessions
+
+
+async def test_acks_hold_a_slow_but_reading_client_to_its_window_and_a_silent_one_is_ended(models):
+    """A client that acknowledges chunks is paused at `ack_window` unacknowledged chunks
+    (socket buffers would otherwise absorb its lag), resumes as it acks, and is ended with
+    `too_slow` when it stops acknowledging while that far behind."""
+    limits = SessionLimits(ack_window=2, slow_client_timeout_s=1.0)
+    server, test_server = await start_server(models, limits=limits)
+    url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
+    engine = server.models["tiny-wan"].engine
+    try:
+        # Acks each chunk as it is consumed: completes, with exactly the reference's frames.
+        async with StreamWorldClient(url, format="rgb", num_chunks=4, seed=5, ack=True) as c:
+            got = [ch async for ch in c.chunks()]
+        assert c.done_reason == "completed" and [ch.index for ch in got] == [0, 1, 2, 3]
+        frames = np.concatenate([ch.frames for ch in got])
+        assert np.array_equal(frames, expected_frames(models["tiny-wan"], 5, 4))
+
+        # Acks chunk 0, then reads everything but acknowledges nothing more.
+        async with StreamWorldClient(url, format="rgb", num_chunks=None, seed=6) as c:
+            session = next(s for s in server.sessions if s.id == c.info.session_id)
+            seen = []
+            with pytest.raises(StreamWorldError) as err:
+                async for ch in c.chunks():
+                    seen.append(ch.index)
+                    if ch.index == 0:
+                        await c.ack(0)
+                    # Never more than the window (plus what had started) ahead of the acks.
+                    assert session.chunks_sent - session.acked <= limits.ack_window + engine.num_steps + 1
+        assert err.value.code == "too_slow" and "acknowledge" in err.value.message
+        assert len(seen) <= 1 + limits.ack_window + engine.num_steps + 1
+        for _ in range(100):
+            if engine.pool.pages_used == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.pool.pages_used == 0
+
+        # Acks for chunks not sent yet, or of the wrong type, are refused; the session goes on.
+        async with StreamWorldClient(url, format="rgb", num_chunks=2, seed=7) as c:
+            await c.ack(50)
+            await c._send({"type": "ack", "chunk": "x"})
+            got = [ch async for ch in c.chunks()]
+            assert len(got) == 2 and c.done_reason == "completed"
+            assert [e.code for e in c.errors] == ["bad_request", "bad_request"]
+            assert "50" in c.errors[0].message
+    finally:
+        await test_server.close()

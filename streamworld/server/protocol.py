@@ -181,3 +181,13 @@ def parse_prompt(msg: dict[str, Any], takes_prompt: bool) -> str:
     if not isinstance(prompt, str):
         raise ProtocolError("bad_request", "'prompt' must be a string")
     return prompt
+
+
+def parse_ack(msg: dict[str, Any], chunks_sent: int) -> int:
+    """The chunk index of an `ack` (the client has consumed every chunk up to it)."""
+    chunk = msg.get("chunk")
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        raise ProtocolError("bad_request", "'chunk' must be a chunk index (an integer >= 0)")
+    if chunk >= chunks_sent:
+        raise ProtocolError("bad_request", f"ack for chunk {chunk}, but {chunks_sent} chunks have been sent")
+    return chunk

@@ -8,6 +8,14 @@ bounded outgoing queue) and the writer (encode in the CPU pool, send). Backpress
 `pause_chunks` chunks wait to be sent, the stream's playback clock pauses (no new chunk
 starts); a client that does not take a chunk for `slow_client_timeout_s` is ended with an
 error. A slow client therefore never grows server memory without bound nor slows others.
+
+Socket buffers hide a slow reader that still reads: sent chunks pile up in the kernel's
+buffers, on both ends, long before a send blocks. A client that acknowledges chunks
+(`{"type": "ack", "chunk": n}`, an extension of the protocol) is also held to
+`ack_window`: with that many chunks sent and not acknowledged, its clock pauses too, and
+with no acknowledgement for `slow_client_timeout_s` while it is that far behind, the
+session ends with a `too_slow` error. Such a client gets the stream at its own pace, with
+bounded lag.
 """
 
 from __future__ import annotations
@@ -25,7 +33,15 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from ..engine.engine import Overloaded, StreamError, Unsupported
 from ..engine.stream import ChunkOutput, StreamRequest
 from .media import make_encoder
-from .protocol import ProtocolError, SessionStart, parse_action, parse_json, parse_prompt, parse_session_start
+from .protocol import (
+    ProtocolError,
+    SessionStart,
+    parse_ack,
+    parse_action,
+    parse_json,
+    parse_prompt,
+    parse_session_start,
+)
 
 if TYPE_CHECKING:
     from .app import ServedModel, StreamWorldServer
@@ -44,6 +60,8 @@ class SessionLimits:
     start_timeout_s: float = 30.0
     pause_chunks: int = 2
     slow_client_timeout_s: float = 10.0
+    # Chunks a client that sends acks may hold unacknowledged before its clock pauses.
+    ack_window: int = 3
 
 
 class ClientTooSlow(Exception):
@@ -78,6 +96,13 @@ class Session:
         # None while running; then "stopped", "error" or "cancelled" (client gone).
         self.end_reason: str | None = None
         self._counted = False
+        self._paused = False  # what this session last told the engine
+        # Acknowledgements (optional): chunks consumed by the client, and when that last grew.
+        self.acked = 0
+        self.acks_on = False
+        self.last_ack_progress = 0.0
+        self.too_slow = False
+        self._watchdog: asyncio.Task | None = None
 
     # --- helpers ---------------------------------------------------------------------------
     async def send(self, *messages: dict | bytes) -> None:
@@ -208,6 +233,10 @@ class Session:
             reader.cancel()
             with contextlib.suppress(BaseException):
                 await reader
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._watchdog
             self._cancel_stream()
             encoder.close()
             self.done.set()
@@ -331,6 +360,17 @@ class Session:
                 self.handle.set_prompt(parse_prompt(parsed, cfg.takes_prompt))
             elif kind == "ping":
                 return {"type": "pong", "id": parsed.get("id")}
+            elif kind == "ack":
+                chunk = parse_ack(parsed, self.chunks_sent)
+                now = time.monotonic()
+                if not self.acks_on:
+                    self.acks_on = True
+                    self.last_ack_progress = now
+                    self._watchdog = asyncio.create_task(self._ack_watchdog(), name=f"session-{self.id}-acks")
+                if chunk + 1 > self.acked:
+                    self.acked = chunk + 1
+                    self.last_ack_progress = now
+                self._update_pause()
             elif kind == "session.stop":
                 if self.end_reason is None:
                     self.end_reason = "stopped"
@@ -345,12 +385,11 @@ class Session:
 
     async def _pump(self) -> None:
         """Engine chunks into the outgoing queue; pauses the stream's clock when it backs up."""
-        engine, handle = self.served.engine, self.handle
+        handle = self.handle
         try:
             async for chunk in handle:
                 self.outgoing.append(chunk)
-                if len(self.outgoing) >= self.server.limits.pause_chunks and handle.stream.live:
-                    engine.set_paused(handle.id, True)
+                self._update_pause()
                 self.outgoing_ready.set()
         except StreamError as e:
             self.end_reason = "error"
@@ -373,11 +412,12 @@ class Session:
                 await self.outgoing_ready.wait()
             if self.end_reason == "cancelled":
                 return
+            if self.too_slow:
+                break
             chunk = self.outgoing.popleft()
             if chunk is None:
                 break
-            if len(self.outgoing) < limits.pause_chunks and self.handle.stream.live:
-                served.engine.set_paused(self.handle.id, False)
+            self._update_pause()
             t0 = time.perf_counter()
             encoded = await loop.run_in_executor(self.server.encode_pool, encoder.encode, chunk.frames)
             encode_ms = (time.perf_counter() - t0) * 1000
@@ -406,6 +446,7 @@ class Session:
                 metrics.inter_chunk.labels(model).observe(now - self.last_sent)
             self.last_sent = now
             self.chunks_sent += 1
+            self._update_pause()
             metrics.frames.labels(model).inc(meta["num_frames"])
             if chunk.deadline_missed:
                 metrics.deadline_miss.labels(model).inc()
@@ -421,6 +462,18 @@ class Session:
             return
         reason = self.end_reason or "completed"
         self._finish(reason)
+        if self.too_slow:
+            behind = self.chunks_sent - self.acked
+            err = ProtocolError(
+                "too_slow",
+                f"no chunk acknowledged for {limits.slow_client_timeout_s:.0f} s with {behind} chunks "
+                "unacknowledged; read and acknowledge faster, or do not send acks",
+            )
+            with contextlib.suppress(*CLIENT_GONE):
+                await self.send_json(err.to_message())
+                await self.send_json({"type": "session.done", "reason": "error", "chunks": self.chunks_sent})
+                await self.ws.close(code=CLOSE_POLICY, message=b"too slow")
+            return
         if reason == "error":
             err = (self.handle.stream.error or "internal error").splitlines()[0]
             with contextlib.suppress(ConnectionError, RuntimeError):
@@ -431,6 +484,32 @@ class Session:
         with contextlib.suppress(*CLIENT_GONE):
             await self.send_json({"type": "session.done", "reason": reason, "chunks": self.chunks_sent})
             await self.ws.close(code=WSCloseCode.OK)
+
+    def _update_pause(self) -> None:
+        """Pauses the stream's clock while the client is behind, resumes it when it is not."""
+        handle = self.handle
+        if handle is None or not handle.stream.live:
+            return
+        limits = self.server.limits
+        behind = len(self.outgoing) >= limits.pause_chunks or (
+            self.acks_on and self.chunks_sent - self.acked >= limits.ack_window
+        )
+        if behind != self._paused:
+            self._paused = behind
+            self.served.engine.set_paused(handle.id, behind)
+
+    async def _ack_watchdog(self) -> None:
+        """Ends a session whose client acknowledges nothing while `ack_window` chunks behind."""
+        limits = self.server.limits
+        while self.end_reason is None and not self.too_slow:
+            await asyncio.sleep(min(1.0, limits.slow_client_timeout_s / 4))
+            stalled = time.monotonic() - self.last_ack_progress > limits.slow_client_timeout_s
+            if stalled and self.chunks_sent - self.acked >= limits.ack_window and self.end_reason is None:
+                log.warning("session %s: no ack for %.0f s; ending it", self.id, limits.slow_client_timeout_s)
+                self.too_slow = True
+                self.end_reason = "error"
+                self._cancel_stream()  # frees its pages at once
+                self.outgoing_ready.set()
 
     def _finish(self, reason: str) -> None:
         """Counts the session's end once, whatever path ends it."""

@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="seconds from a session's start to its first chunk's deadline (default 1.0)",
     )
+    _add_batch_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(func=cmd_serve)
 
@@ -196,15 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--ranks", type=int, default=1, help="virtual ranks (threads / CUDA streams) (default 1)"
     )
-    bench.add_argument("--max-batch", type=int, default=16, help="most units in one batch (default 16)")
-    bench.add_argument(
-        "--token-budget",
-        type=int,
-        default=65536,
-        help="most query tokens in one batch (default 65536; the most urgent unit always goes). On an "
-        "H200, 8192 (one 480x832 unit) gave one noisy stream 17.0 frames/s and 0.50 s to the first "
-        "frame, against 15.7 and 1.30 s with the default (docs/benchmarks.md)",
-    )
+    _add_batch_args(bench)
     bench.add_argument(
         "--ttff-budget",
         type=float,
@@ -308,6 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true", help="print the /v1/models entries as JSON")
     models.set_defaults(func=cmd_models)
     return parser
+
+
+def _add_batch_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-batch", type=int, default=16, help="most units in one batch (default 16)")
+    parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=65536,
+        help="most query tokens in one batch (default 65536; the most urgent unit always goes). On an "
+        "H200, 8192 (one 480x832 unit) gave one noisy stream 17.0 frames/s and 0.50 s to the first "
+        "frame, against 15.7 and 1.30 s with the default (docs/benchmarks.md)",
+    )
+
+
+def _check_batch_args(args: argparse.Namespace) -> None:
+    if args.max_batch < 1 or args.token_budget < 1:
+        raise UsageError("--max-batch and --token-budget must be at least 1")
 
 
 def _override(config, args: argparse.Namespace):
@@ -443,6 +453,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .engine.engine import EngineConfig
     from .engine.executor import on_torch_thread
+    from .engine.scheduler import SchedulerConfig
     from .models import PRESETS
     from .models.world_model import WeightPaths, WorldModel, resolve_device
     from .server.app import StreamWorldServer
@@ -458,6 +469,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("each --model may be given once")
     if args.max_sessions < 1 or args.max_queue < 0:
         raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
+    _check_batch_args(args)
     _apply_threads(args)
     _check_weight_paths(args)
     weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
@@ -485,6 +497,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_streams=args.max_sessions,
         max_queue=args.max_queue,
         ttff_budget_s=args.ttff_budget,
+        scheduler=SchedulerConfig(max_batch_units=args.max_batch, token_budget=args.token_budget),
     )
     server = StreamWorldServer(models, engine_config, default_model=model_ids[0])
     try:
@@ -510,8 +523,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.streams < 1 or args.duration <= 0:
         raise UsageError("--streams must be at least 1 and --duration positive")
-    if args.token_budget < 1:
-        raise UsageError("--token-budget must be at least 1")
+    _check_batch_args(args)
     if args.json and not Path(args.json).resolve().parent.exists():
         raise UsageError(f"--json: folder {Path(args.json).parent} does not exist")
     model = _load_model(args)

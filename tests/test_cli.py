@@ -155,3 +155,9 @@ def test_frame_size_and_window_override_the_preset(tmp_path, capsys):
     for bad in (["--frame-size", "50x64"], ["--frame-size", "64"], ["--window", "0"]):
         assert main(["generate", "--model", "tiny-wan", "--chunks", "1", "--out", str(out), *bad]) == 2
         assert "--frame-size" in capsys.readouterr().err
+
+
+def test_serve_refuses_bad_batch_limits_before_loading_anything(capsys):
+    assert main(["serve", "--token-budget", "0"]) == 2
+    assert "--token-budget" in capsys.readouterr().err
+    assert main(["serve", "--max-batch", "0"]) == 2

@@ -327,7 +327,10 @@ class StreamWorldClient:
     `ack=True` acknowledges each chunk once the caller asks `chunks()` for the next one (the
     protocol's `ack` extension): the server then keeps this session's lag to a few chunks,
     pausing its stream while the caller is slow, instead of letting chunks pile up in
-    socket buffers. `ack(index)` sends one by hand.
+    socket buffers. `ack(index)` sends one by hand. A caller that breaks out of `chunks()`
+    has not acknowledged the last chunk it took; if it keeps the session open without
+    reading on, it should `ack()` that chunk, or the server ends the session (`too_slow`)
+    after 10 s.
 
     After the start: `info` (SessionInfo), `queue_position` (the last one announced, if the
     session had to wait), `init_segment` (fmp4), `errors` (every `error` received during the

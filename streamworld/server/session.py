@@ -13,8 +13,8 @@ Socket buffers hide a slow reader that still reads: sent chunks pile up in the k
 buffers, on both ends, long before a send blocks. A client that acknowledges chunks
 (`{"type": "ack", "chunk": n}`, an extension of the protocol) is also held to
 `ack_window`: with that many chunks sent and not acknowledged, its clock pauses too, and
-with no acknowledgement for `slow_client_timeout_s` while it is that far behind, the
-session ends with a `too_slow` error. Such a client gets the stream at its own pace, with
+if, once that far behind, no ack advances for `slow_client_timeout_s`, the session ends
+with a `too_slow` error. Such a client gets the stream at its own pace, with
 bounded lag.
 """
 
@@ -90,6 +90,9 @@ class Session:
         self.started_at = time.monotonic()
         self.last_sent: float | None = None
         self.chunks_sent = 0
+        # Chunks handed to the socket (counted before the send completes, so that a fast
+        # client's ack of a chunk it already has is never refused).
+        self.chunks_handed = 0
         # (first frame an action conditions, its arrival), for action_to_frame_seconds.
         self.pending_actions: deque[tuple[int, float]] = deque(maxlen=1024)
         self.done = asyncio.Event()
@@ -101,6 +104,7 @@ class Session:
         self.acked = 0
         self.acks_on = False
         self.last_ack_progress = 0.0
+        self.behind_since: float | None = None  # when the lag last reached ack_window
         self.too_slow = False
         self._watchdog: asyncio.Task | None = None
 
@@ -361,7 +365,7 @@ class Session:
             elif kind == "ping":
                 return {"type": "pong", "id": parsed.get("id")}
             elif kind == "ack":
-                chunk = parse_ack(parsed, self.chunks_sent)
+                chunk = parse_ack(parsed, self.chunks_handed)
                 now = time.monotonic()
                 if not self.acks_on:
                     self.acks_on = True
@@ -407,6 +411,7 @@ class Session:
         while True:
             while not self.outgoing:
                 if self.ws.closed:
+                    self._finish(self.end_reason or "cancelled")
                     return
                 self.outgoing_ready.clear()
                 await self.outgoing_ready.wait()
@@ -432,6 +437,8 @@ class Session:
             }
             if encoded.sizes is not None:
                 meta["sizes"] = encoded.sizes
+            self.chunks_handed = self.chunks_sent + 1
+            self._update_pause()
             try:
                 await self.send(meta, encoded.payload)
             except ClientTooSlow:
@@ -463,7 +470,7 @@ class Session:
         reason = self.end_reason or "completed"
         self._finish(reason)
         if self.too_slow:
-            behind = self.chunks_sent - self.acked
+            behind = self.chunks_handed - self.acked
             err = ProtocolError(
                 "too_slow",
                 f"no chunk acknowledged for {limits.slow_client_timeout_s:.0f} s with {behind} chunks "
@@ -491,20 +498,28 @@ class Session:
         if handle is None or not handle.stream.live:
             return
         limits = self.server.limits
-        behind = len(self.outgoing) >= limits.pause_chunks or (
-            self.acks_on and self.chunks_sent - self.acked >= limits.ack_window
-        )
+        lagging = self.acks_on and self.chunks_handed - self.acked >= limits.ack_window
+        if not lagging:
+            self.behind_since = None
+        elif self.behind_since is None:
+            self.behind_since = time.monotonic()
+        behind = len(self.outgoing) >= limits.pause_chunks or lagging
         if behind != self._paused:
             self._paused = behind
             self.served.engine.set_paused(handle.id, behind)
 
     async def _ack_watchdog(self) -> None:
-        """Ends a session whose client acknowledges nothing while `ack_window` chunks behind."""
+        """Ends a session whose acks do not advance for `slow_client_timeout_s` while it is
+        `ack_window` chunks behind (timed from the later of its last advancing ack and the
+        moment it fell that far behind)."""
         limits = self.server.limits
-        while self.end_reason is None and not self.too_slow:
+        while self.end_reason is None and not self.too_slow and not self._counted:
             await asyncio.sleep(min(1.0, limits.slow_client_timeout_s / 4))
-            stalled = time.monotonic() - self.last_ack_progress > limits.slow_client_timeout_s
-            if stalled and self.chunks_sent - self.acked >= limits.ack_window and self.end_reason is None:
+            if self.behind_since is None or self.end_reason is not None or self._counted:
+                continue
+            # Stalled: behind by the window, and no ack has advanced since it got there.
+            since = max(self.last_ack_progress, self.behind_since)
+            if time.monotonic() - since > limits.slow_client_timeout_s:
                 log.warning("session %s: no ack for %.0f s; ending it", self.id, limits.slow_client_timeout_s)
                 self.too_slow = True
                 self.end_reason = "error"

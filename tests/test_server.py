@@ -539,3 +539,32 @@ async def test_acks_hold_a_slow_but_reading_client_to_its_window_and_a_silent_on
             assert "50" in c.errors[0].message
     finally:
         await test_server.close()
+
+
+async def test_a_burst_after_a_quiet_spell_does_not_end_a_client_that_kept_up(models):
+    """`too_slow` is timed from when the client fell `ack_window` behind, not from its last
+    ack: a client that acked everything, then got nothing for a while (no actions under
+    `wait`), is not ended when a burst of chunks arrives."""
+    limits = SessionLimits(ack_window=2, slow_client_timeout_s=1.0)
+    _, test_server = await start_server(models, limits=limits)
+    url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
+    cfg = models["tiny-act"].config
+    try:
+        async with StreamWorldClient(
+            url, model="tiny-act", format="rgb", num_chunks=None, seed=1, action_policy="wait"
+        ) as c:
+            await c.send_actions(np.zeros((cfg.temporal_ratio * (cfg.latent_frames_per_chunk - 1), 2)))
+            chunks = c.chunks()
+            first = await anext(chunks)
+            await c.ack(first.index)
+            await asyncio.sleep(1.5)  # longer than the timeout, with nothing to send
+            await c.send_actions(np.zeros((100, 2)))
+            burst = [await anext(chunks), await anext(chunks)]
+            await asyncio.sleep(0.5)  # two behind for half the timeout: allowed
+            await c.ack(burst[-1].index)
+            await c.stop()
+            rest = [ch async for ch in chunks]
+        assert [ch.index for ch in burst] == [1, 2] and all(ch.index > 2 for ch in rest)
+        assert c.done_reason == "stopped" and c.errors == []
+    finally:
+        await test_server.close()

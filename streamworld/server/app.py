@@ -1,6 +1,6 @@
 """The aiohttp application: one port serves the demo, health, metrics, models and streams.
 
-    GET /            the browser demo (files from web/)
+    GET /            the browser demo (files from streamworld/web/)
     GET /healthz     200 {"status": "ok", ...} while the engines take work, 503 when shutting down
     GET /metrics     Prometheus text format
     GET /v1/models   served models and their properties
@@ -34,7 +34,8 @@ from .session import Session, SessionLimits
 
 log = logging.getLogger("streamworld.server")
 
-WEB_ROOT = Path(__file__).resolve().parents[2] / "web"
+# The browser demo ships inside the package, so every install (not only an editable one) has it.
+WEB_ROOT = Path(__file__).resolve().parents[1] / "web"
 DEFAULT_MAX_TEXT_FRAME = 8 * 1024 * 1024
 
 

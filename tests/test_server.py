@@ -572,13 +572,14 @@ async def test_a_burst_after_a_quiet_spell_does_not_end_a_client_that_kept_up(mo
 
 def test_the_browser_demo_ships_inside_the_package():
     """A plain (not editable) install must serve the demo: its files are package data."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     import streamworld
     from streamworld.server.app import WEB_ROOT
 
-    assert WEB_ROOT == Path(streamworld.__file__).parent / "web"
+    assert Path(streamworld.__file__).parent / "web" == WEB_ROOT
     assert all((WEB_ROOT / name).is_file() for name in ("index.html", "app.js", "style.css"))
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "web/*" in pyproject["tool"]["setuptools"]["package-data"]["streamworld"]

@@ -112,7 +112,8 @@ class Executor:
         return asyncio.wrap_future(fut)
 
     def _run(self, fn: Callable[[], T]) -> T:
-        self.thread_ids = (threading.get_native_id(), threading.get_ident())
+        if self.thread_ids is None:  # always the same thread
+            self.thread_ids = (threading.get_native_id(), threading.get_ident())
         start = time.perf_counter()
         try:
             ctx = (

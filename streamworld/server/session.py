@@ -102,7 +102,6 @@ class Session:
         self._paused = False  # what this session last told the engine
         # Acknowledgements (optional): chunks consumed by the client, and when that last grew.
         self.acked = 0
-        self.acks_on = False
         self.last_ack_progress = 0.0
         self.behind_since: float | None = None  # when the lag last reached ack_window
         self.too_slow = False
@@ -368,7 +367,6 @@ class Session:
                 chunk = parse_ack(parsed, self.chunks_handed)
                 now = time.monotonic()
                 if not self.acks_on:
-                    self.acks_on = True
                     self.last_ack_progress = now
                     self._watchdog = asyncio.create_task(self._ack_watchdog(), name=f"session-{self.id}-acks")
                 if chunk + 1 > self.acked:
@@ -491,6 +489,11 @@ class Session:
         with contextlib.suppress(*CLIENT_GONE):
             await self.send_json({"type": "session.done", "reason": reason, "chunks": self.chunks_sent})
             await self.ws.close(code=WSCloseCode.OK)
+
+    @property
+    def acks_on(self) -> bool:
+        """The client has sent an ack: its lag is bounded too (the watchdog runs from then)."""
+        return self._watchdog is not None
 
     def _update_pause(self) -> None:
         """Pauses the stream's clock while the client is behind, resumes it when it is not."""

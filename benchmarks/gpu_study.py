@@ -19,6 +19,13 @@ Runs (name: streams, KV mode, pacing, what it answers):
   same under the profiler and with cuDNN autotuning (`torch.backends.cudnn.benchmark`).
 - `480-1-noisy-tb8k`: a token budget of one 480x832 unit per batch; `480-1-noisy-paced`:
   real-time pacing (the time to first frame of an interactive session).
+- Runs named `...-lite`, `...-compile` and `...-fast` load the model with the lite decoder,
+  with the DiT's elementwise arithmetic compiled, or both (`--decoder lite`, `--compile`):
+  `480-1-{noisy,final,clean}-fast`, `480-1-noisy-{lite,compile}` (each change alone),
+  `480-1-noisy-fast-paced`, `480-2-noisy-fast`, `320-N-noisy-paced-fast`, `320-8-noisy-fast`
+  and the two profiles `480-1-noisy-fast-profile`, `320-8-noisy-fast-profile`. Their
+  baselines run the same model, so each ratio compares the engine with the sequential loop
+  on equal components.
 
 Each run writes `<name>.json` (the `streamworld bench` result, plus the seconds the model
 took to load) into `--out`, and the driver prints one summary line per run.
@@ -43,6 +50,61 @@ GEOMETRIES = {
     "480": dict(height=480, width=832, window_frames=18),
     "320": dict(height=320, width=512, window_frames=6),
 }
+
+
+# Model variants (`WorldModel.load` options); a run named "...-fast" loads "fast", etc.
+VARIANTS = {
+    "": {},
+    "lite": {"decoder": "lite"},
+    "compile": {"compile_elementwise": True},
+    "fast": {"decoder": "lite", "compile_elementwise": True},
+}
+
+
+def _variant(name: str) -> str:
+    for v in ("fast", "lite", "compile"):
+        if f"-{v}" in name:
+            return v
+    return ""
+
+
+def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
+    """The lite decoder and the compiled elementwise DiT arithmetic, alone and together."""
+    runs = []
+    for mode in ("noisy", "final", "clean"):
+        runs.append(
+            (f"480-1-{mode}-fast", "480", BenchConfig(1, 15.0, mode, mode, paced=False, token_budget=8192))
+        )
+    for v in ("lite", "compile"):
+        runs.append(
+            (
+                f"480-1-noisy-{v}",
+                "480",
+                BenchConfig(1, 15.0, "noisy", "noisy", paced=False, token_budget=8192),
+            )
+        )
+    runs.append(("480-1-noisy-fast-paced", "480", BenchConfig(1, 15.0, "noisy", "noisy", token_budget=8192)))
+    runs.append(("480-2-noisy-fast", "480", BenchConfig(2, 15.0, "noisy", "clean", paced=False)))
+    for n in (4, 6, 8, 10, 12):
+        runs.append((f"320-{n}-noisy-paced-fast", "320", BenchConfig(n, 20.0, "noisy", baseline=False)))
+    runs.append(("320-8-noisy-fast", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
+    for geometry, streams in (("480", 1), ("320", 8)):
+        runs.append(
+            (
+                f"{geometry}-{streams}-noisy-fast-profile",
+                geometry,
+                BenchConfig(
+                    streams,
+                    8.0,
+                    "noisy",
+                    paced=False,
+                    baseline=False,
+                    profile=True,
+                    token_budget=8192 if geometry == "480" else 65536,
+                ),
+            )
+        )
+    return runs
 
 
 def _runs() -> list[tuple[str, str, BenchConfig]]:
@@ -74,7 +136,7 @@ def _runs() -> list[tuple[str, str, BenchConfig]]:
     )
     # cuDNN autotuning for the VAE's convolutions; process-wide, so it stays on after this run.
     runs.append(("320-8-noisy-cudnn-benchmark", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
-    return runs
+    return runs + _fast_runs()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,21 +157,29 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"error: unknown runs {unknown}; known: {[n for n, _, _ in runs]}", file=sys.stderr)
             return 2
-        runs = [r for r in runs if r[0] in wanted]
+        by_name = {r[0]: r for r in runs}
+        runs = [by_name[n] for n in wanted]  # in the order given
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models: dict[str, tuple[WorldModel, float]] = {}
     for name, geometry, cfg in runs:
-        if geometry not in models:
+        key = f"{geometry}{_variant(name)}"
+        if key not in models:
             models.clear()  # one model on the GPU at a time
             model = None
             torch.cuda.empty_cache()
             t0 = time.perf_counter()
             config = dataclasses.replace(get_preset("wan2.1-t2v-1.3b"), **GEOMETRIES[geometry])
-            model = WorldModel.load(config, random_weights=True, device="cuda", dtype="bfloat16")
-            models[geometry] = (model, time.perf_counter() - t0)
-            print(f"--- loaded {config.height}x{config.width} in {models[geometry][1]:.1f} s", flush=True)
-        model, load_s = models[geometry]
+            model = WorldModel.load(
+                config, random_weights=True, device="cuda", dtype="bfloat16", **VARIANTS[_variant(name)]
+            )
+            models[key] = (model, time.perf_counter() - t0)
+            print(
+                f"--- loaded {config.height}x{config.width} {_variant(name) or 'eager, wan decoder'} "
+                f"in {models[key][1]:.1f} s",
+                flush=True,
+            )
+        model, load_s = models[key]
         cfg = dataclasses.replace(cfg, duration_s=cfg.duration_s * args.duration_scale)
         if name.endswith("cudnn-benchmark"):
             torch.backends.cudnn.benchmark = True
@@ -117,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_bench(model, cfg)
         result["run"] = name
         result["model_load_s"] = load_s
+        result["decoder"] = model.vae.decoder_kind
+        result["compiled_elementwise"] = model.dit.elementwise_compiled
         result["geometry"] = (
             f"{model.config.height}x{model.config.width}, window {model.config.window_frames}"
         )

@@ -136,13 +136,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         all_busy1 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
         profile = None
         if profiler is not None:
-            # The profiler names a thread by its native id or by the low 32 bits of its pthread id.
-            threads = {
-                tid: name
-                for name, v in executors.items()
-                for ex in v
-                for tid in (*(ex.thread_ids or ()), (ex.thread_ids or (0, 0))[1] & 0xFFFFFFFF)
-            }
+            threads = {tid: name for name, v in executors.items() for ex in v for tid in ex.thread_ids}
             profile = _stop_profiler(profiler, threads, (t1 - t0) * 1e6)
         for h in handles:
             h.cancel()

@@ -61,6 +61,21 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="override the preset's attention window (latent frames after the sink frames)",
     )
+    p.add_argument(
+        "--decoder",
+        choices=("wan", "lite"),
+        default="wan",
+        help="how latents become frames: wan (the model's VAE decoder, default) or lite "
+        "(StreamWorld's small causal decoder, many times cheaper; its weights come from "
+        "`streamworld distill-decoder` via --decoder-weights, or are random with --random-weights)",
+    )
+    p.add_argument("--decoder-weights", metavar="PATH", help="lite decoder weights (.safetensors)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="fuse the DiT's elementwise arithmetic with torch.compile (GPU; needs Triton; the "
+        "first chunks of a run pay the compilation)",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument(
         "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
@@ -74,7 +89,7 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_weight_paths(args: argparse.Namespace) -> None:
-    for name in ("weights", "dit", "vae", "text_encoder"):
+    for name in ("weights", "dit", "vae", "text_encoder", "decoder_weights"):
         path = getattr(args, name)
         if path is not None and not Path(path).exists():
             raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
@@ -340,24 +355,45 @@ def _override(config, args: argparse.Namespace):
         raise UsageError(f"--frame-size/--window: {e}") from None
 
 
+def _weight_paths(args: argparse.Namespace):
+    from .models.world_model import WeightPaths
+
+    return WeightPaths(
+        root=args.weights,
+        dit=args.dit,
+        vae=args.vae,
+        text_encoder=args.text_encoder,
+        lite_decoder=args.decoder_weights,
+    )
+
+
+def _load_options(args: argparse.Namespace) -> dict:
+    """`WorldModel.load` keyword arguments from the weight arguments."""
+    return dict(
+        random_weights=args.random_weights,
+        device=args.device,
+        dtype=args.dtype,
+        decoder=args.decoder,
+        compile_elementwise=args.compile,
+    )
+
+
 def _load_model(args: argparse.Namespace):
     _apply_threads(args)
     from .engine.executor import on_torch_thread
     from .models import get_preset
-    from .models.world_model import WeightPaths, WorldModel, resolve_device
+    from .models.world_model import WorldModel, resolve_device
 
     try:
         config = _override(get_preset(args.model), args)
     except KeyError as e:
         raise UsageError(e.args[0]) from None
-    weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
+    weights = _weight_paths(args)
     _check_weight_paths(args)
     try:
         return on_torch_thread(
             resolve_device(args.device),
-            lambda: WorldModel.load(
-                config, weights, random_weights=args.random_weights, device=args.device, dtype=args.dtype
-            ),
+            lambda: WorldModel.load(config, weights, **_load_options(args)),
         )
     except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
         raise UsageError(str(e).splitlines()[0] if "\n" not in str(e) else str(e)) from None
@@ -455,7 +491,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .engine.executor import on_torch_thread
     from .engine.scheduler import SchedulerConfig
     from .models import PRESETS
-    from .models.world_model import WeightPaths, WorldModel, resolve_device
+    from .models.world_model import WorldModel, resolve_device
     from .server.app import StreamWorldServer
 
     logging.basicConfig(
@@ -472,7 +508,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_batch_args(args)
     _apply_threads(args)
     _check_weight_paths(args)
-    weights = WeightPaths(root=args.weights, dit=args.dit, vae=args.vae, text_encoder=args.text_encoder)
+    weights = _weight_paths(args)
     models = {}
     for mid in model_ids:
         config = _override(PRESETS[mid], args)
@@ -482,9 +518,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 lambda config=config: WorldModel.load(
                     config,
                     weights if config.requires_weights or len(model_ids) == 1 else None,
-                    random_weights=args.random_weights,
-                    device=args.device,
-                    dtype=args.dtype,
+                    **_load_options(args),
                 ),
             )
         except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from streamworld.engine.reference import ContiguousKVCache, GenerationRequest, ReferenceGenerator
-from streamworld.models import get_preset
+from streamworld.models import causal_wan, get_preset
 from streamworld.models.causal_wan import ChunkInput
 from streamworld.models.world_model import WorldModel
 from tests.conftest import tiny_config
@@ -167,3 +167,77 @@ def test_engine_runs_wan13b_streams_in_bf16(wan13b):
         assert err < 5e-2
         assert out[0].frames.shape[1:] == (480, 832, 3)
     print(f"engine: 2 streams x 2 chunks in {elapsed:.2f} s, batch sizes {batches}")
+
+
+def _one_chunk_flow(model: WorldModel) -> torch.Tensor:
+    """The DiT's flow for one noisy chunk after one clean chunk in the cache."""
+    cfg = model.config
+    f, dev = cfg.latent_frames_per_chunk, model.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    clean = torch.randn(model.latent_shape(f), generator=gen).to(dev)
+    noisy = torch.randn(model.latent_shape(f), generator=gen).to(dev)
+    text = model.text_context("a red car")
+    cache = ContiguousKVCache(1, cfg.num_layers, cfg.tokens_per_frame, cfg.sink_frames, 4 * f)
+    with torch.inference_mode():
+        model.dit.forward_chunk([ChunkInput(clean, torch.zeros(f, device=dev), text, cache.view(0, 0, (0,)))])
+        unit = ChunkInput(noisy, torch.full((f,), 750.0, device=dev), text, cache.view(f, 0, ()))
+        return model.dit.forward_chunk([unit])[0]
+
+
+def test_compiled_elementwise_matches_eager_tiny_float32_and_wan13b_bf16(wan13b):
+    tiny = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
+    eager = _one_chunk_flow(tiny)
+    tiny.dit.compile_elementwise(tiny.config.latent_frames_per_chunk)
+    err = _rel_err(_one_chunk_flow(tiny), eager)
+    print(f"\ncompiled vs eager elementwise, tiny-wan cuda float32: rel err {err:.1e}")
+    assert tiny.dit.elementwise_compiled and err < 1e-5
+
+    eager = _one_chunk_flow(wan13b)
+    try:
+        wan13b.dit.compile_elementwise(wan13b.config.latent_frames_per_chunk)
+        err = _rel_err(_one_chunk_flow(wan13b), eager)
+    finally:
+        wan13b.dit._ops = causal_wan._EAGER  # the shared fixture stays eager
+    print(f"compiled vs eager elementwise, wan2.1-t2v-1.3b bf16 480x832: rel err {err:.1e}")
+    assert err < 2e-2
+
+
+def test_lite_decoder_streams_chunk_by_chunk_on_cuda_bf16(wan13b):
+    from streamworld.models.lite_decoder import LiteDecoder
+    from streamworld.models.vae import StreamingVAE
+
+    cfg = wan13b.config
+    vae = StreamingVAE(wan13b.vae.vae)
+    vae.use_lite_decoder(LiteDecoder.for_latents(cfg.latent_channels, cfg.spatial_ratio, cfg.temporal_ratio))
+    f = cfg.latent_frames_per_chunk
+    z = torch.randn(2, cfg.latent_channels, 2 * f, cfg.latent_height, cfg.latent_width, device="cuda")
+    full = vae.decode_full(z)
+    states = [vae.new_decoder_state() for _ in range(2)]
+    first = vae.decode_chunks([z[:1, :, :f], z[1:, :, :f]], states)
+    second = vae.decode_chunks([z[:1, :, f:], z[1:, :, f:]], states)
+    chunked = torch.cat([torch.cat([a, b], dim=2) for a, b in zip(first, second, strict=True)])
+    assert full.shape == (2, 3, 1 + cfg.temporal_ratio * (2 * f - 1), 480, 832)
+    err = _rel_err(chunked, full)
+    print(f"\nlite decoder bf16 480x832: chunked (batched) vs whole clip rel err {err:.1e}")
+    assert err < 2e-2
+
+
+def test_engine_runs_wan13b_with_lite_decoder_and_compiled_elementwise():
+    from streamworld.engine.stream import StreamRequest
+
+    model = WorldModel.load(
+        get_preset("wan2.1-t2v-1.3b"),
+        random_weights=True,
+        device="cuda",
+        dtype="bfloat16",
+        decoder="lite",
+        compile_elementwise=True,
+    )
+    requests = [StreamRequest(seed=i, num_chunks=2, prompt="a fox", kv_mode="noisy") for i in range(2)]
+    outs, batches, pages_used = _engine_run(model, requests)
+    assert pages_used == 0
+    cfg = model.config
+    for out in outs:
+        assert [o.frames.shape[0] for o in out] == [cfg.first_chunk_frames, cfg.frames_per_chunk]
+        assert out[0].frames.shape[1:] == (480, 832, 3)
+    print(f"\nengine, lite decoder + compiled elementwise: batch sizes {batches}")

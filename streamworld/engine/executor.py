@@ -99,8 +99,10 @@ class Executor:
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.busy = False
         self.busy_s = 0.0  # seconds spent running work
-        # Ids of the thread that runs the work (native and pthread), for profiles.
-        self.thread_ids: tuple[int, int] | None = None
+        # Ids of the threads that ran work (native and pthread), for profiles. A set, added
+        # to on every run: a profile once found kernels launched from a thread whose ids the
+        # first run had not recorded.
+        self.thread_ids: set[int] = set()
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[[], T]) -> asyncio.Future[T]:
@@ -112,8 +114,9 @@ class Executor:
         return asyncio.wrap_future(fut)
 
     def _run(self, fn: Callable[[], T]) -> T:
-        if self.thread_ids is None:  # always the same thread
-            self.thread_ids = (threading.get_native_id(), threading.get_ident())
+        ident = threading.get_ident()
+        # The profiler names a thread by its native id or by the low 32 bits of its pthread id.
+        self.thread_ids.update((threading.get_native_id(), ident, ident & 0xFFFFFFFF))
         start = time.perf_counter()
         try:
             ctx = (

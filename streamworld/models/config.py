@@ -8,7 +8,7 @@ inputs. Presets (`streamworld.models.presets`) are instances of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 KV_MODES = ("clean", "final", "noisy")
@@ -53,6 +53,9 @@ class ModelConfig:
     needs_image: bool = False
     kv_modes: tuple[str, ...] = KV_MODES
     default_kv_mode: str = "clean"
+    # Keyword arguments of `LiteDecoder.for_latents` (widths, blocks) for `--decoder lite`;
+    # empty for the defaults sized for Wan latents.
+    lite_decoder: dict[str, Any] = field(default_factory=dict)
     # Seed of the random initialisation used when no weights are given.
     init_seed: int = 0
     # True for real models: serving them without weights needs an explicit --random-weights.

@@ -53,6 +53,7 @@ TINY_WAN = ModelConfig(
     height=64,
     width=64,
     fps=16,
+    lite_decoder=dict(widths=(16, 8, 8, 8), blocks=(1, 1, 1, 1)),
     latent_frames_per_chunk=3,
     denoising_steps=(1000.0, 750.0, 500.0, 250.0),
     timestep_shift=5.0,

@@ -26,6 +26,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, un
 from torch import Tensor
 
 from streamworld.models.config import ModelConfig
+from streamworld.models.lite_decoder import LiteDecoder
 
 
 @dataclass
@@ -34,8 +35,9 @@ class DecoderState:
 
     `feat_cache` has one slot per causal convolution of the decoder; a slot holds the last
     input frames of that convolution ([B, C, <=2, h, w]), diffusers' "Rep" marker, or None
-    before the first frame. The cached tensors are tied to the batch size, device and dtype of
-    the first chunk.
+    before the first frame. With a lite decoder a slot is a memory block's input at the last
+    frame ([B, C, h, w]) or None before the first. The cached tensors are tied to the batch
+    size, device and dtype of the first chunk.
     """
 
     feat_cache: list[Tensor | str | None]
@@ -65,12 +67,17 @@ class DecoderState:
 
 
 class StreamingVAE(torch.nn.Module):
-    """`AutoencoderKLWan` with normalised latents and per-stream decoder state."""
+    """`AutoencoderKLWan` with normalised latents and per-stream decoder state.
+
+    With a `LiteDecoder` (`use_lite_decoder`), chunks decode through it instead of the Wan
+    decoder; the Wan encoder still encodes first frames.
+    """
 
     def __init__(self, vae: AutoencoderKLWan) -> None:
         super().__init__()
         self.vae = vae
         self.vae.eval().requires_grad_(False)
+        self.lite: LiteDecoder | None = None
         cfg = vae.config
         z_dim = int(cfg.z_dim)
         if len(cfg.latents_mean) != z_dim or len(cfg.latents_std) != z_dim:
@@ -115,6 +122,28 @@ class StreamingVAE(torch.nn.Module):
         vae = AutoencoderKLWan.from_pretrained(folder, local_files_only=True, torch_dtype=dtype)
         return cls(vae).to(device)
 
+    def use_lite_decoder(self, decoder: LiteDecoder) -> StreamingVAE:
+        """Decode with `decoder` from now on (streams started before keep incompatible state:
+        call this before serving)."""
+        c = decoder.config
+        if (c.latent_channels, c.spatial_ratio, c.temporal_ratio) != (
+            self.latent_channels,
+            self.spatial_ratio,
+            self.temporal_ratio,
+        ):
+            raise ValueError(
+                f"the lite decoder takes {c.latent_channels}-channel latents at {c.spatial_ratio}x "
+                f"spatial and {c.temporal_ratio}x temporal ratio; this VAE has {self.latent_channels}, "
+                f"{self.spatial_ratio}x and {self.temporal_ratio}x"
+            )
+        self.lite = decoder.to(self.device, self.dtype).eval().requires_grad_(False)
+        return self
+
+    @property
+    def decoder_kind(self) -> str:
+        """ "lite" when chunks decode through a `LiteDecoder`, else "wan"."""
+        return "wan" if self.lite is None else "lite"
+
     # --- geometry -------------------------------------------------------------------
     @property
     def latent_channels(self) -> int:
@@ -145,7 +174,7 @@ class StreamingVAE(torch.nn.Module):
 
     # --- decoding -------------------------------------------------------------------
     def new_decoder_state(self) -> DecoderState:
-        return DecoderState.empty(self._num_decoder_slots)
+        return DecoderState.empty(self._num_decoder_slots if self.lite is None else self.lite.num_slots)
 
     @torch.inference_mode()
     def decode_chunk(self, latents: Tensor, state: DecoderState) -> Tensor:
@@ -161,6 +190,10 @@ class StreamingVAE(torch.nn.Module):
             )
         if latents.shape[2] == 0:
             raise ValueError("decode_chunk needs at least one latent frame")
+        if self.lite is not None:
+            out = self.lite(latents.to(self.device, self.dtype), state.feat_cache, not state.started)
+            state.latent_frames += latents.shape[2]
+            return out
         z = self.unnormalise(latents.to(device=self.device, dtype=self.dtype))
         # post_quant_conv has a 1x1x1 kernel, so it needs no temporal cache.
         x = self.vae.post_quant_conv(z)

@@ -17,6 +17,7 @@ import torch
 from .causal_wan import CausalWanDiT, CrossKV
 from .checkpoint import load_dit_state_dict, load_into
 from .config import ModelConfig
+from .lite_decoder import LiteDecoder, load_lite_decoder
 from .pixels import PixelCodec
 from .schedule import FlowSchedule
 from .text_encoder import TextEncoder
@@ -34,6 +35,8 @@ class WeightPaths:
     dit: str | None = None
     vae: str | None = None
     text_encoder: str | None = None
+    # A lite decoder file from `streamworld distill-decoder` (used with decoder="lite").
+    lite_decoder: str | None = None
 
     def resolve(self) -> WeightPaths:
         if self.root is None:
@@ -51,7 +54,11 @@ class WeightPaths:
         if text_encoder is None and (root / "text_encoder").exists():
             text_encoder = str(root)  # the text encoder wrapper finds text_encoder/ and tokenizer/
         return WeightPaths(
-            None, pick(self.dit, "transformer") or str(root), pick(self.vae, "vae"), text_encoder
+            None,
+            pick(self.dit, "transformer") or str(root),
+            pick(self.vae, "vae"),
+            text_encoder,
+            self.lite_decoder,
         )
 
 
@@ -105,7 +112,15 @@ class WorldModel:
         random_weights: bool = False,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
+        decoder: str = "wan",
+        compile_elementwise: bool = False,
     ) -> WorldModel:
+        """decoder: "wan" (the model's VAE decoder) or "lite" (`LiteDecoder`: its weights from
+        `weights.lite_decoder`, seeded random ones with `random_weights` or for models without
+        real weights). compile_elementwise: fuse the DiT's elementwise arithmetic with
+        torch.compile (`CausalWanDiT.compile_elementwise`)."""
+        if decoder not in ("wan", "lite"):
+            raise ValueError(f"unknown decoder {decoder!r}; use wan or lite")
         weights = (weights or WeightPaths()).resolve()
         dev = device if isinstance(device, torch.device) else resolve_device(device)
         dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
@@ -160,6 +175,14 @@ class WorldModel:
         else:
             vae = StreamingVAE.from_config(config, seed=config.init_seed + 1)
         vae = vae.to(dev, dt).eval().requires_grad_(False)
+        if decoder == "lite":
+            if not isinstance(vae, StreamingVAE):
+                raise ValueError(f"model {config.id} works in pixel space and has no decoder to replace")
+            vae.use_lite_decoder(_lite_decoder(config, weights.lite_decoder, random_weights))
+        elif weights.lite_decoder is not None:
+            raise ValueError("lite decoder weights were given, but the decoder is wan (use --decoder lite)")
+        if compile_elementwise:
+            dit.compile_elementwise(config.latent_frames_per_chunk)
 
         text_encoder = None
         if config.takes_prompt:
@@ -213,6 +236,23 @@ def builtin_weights_path(config: ModelConfig) -> Path:
             f"StreamWorld, or train them with `streamworld train {config.id}`"
         )
     return path
+
+
+def _lite_decoder(config: ModelConfig, path: str | None, random_weights: bool) -> LiteDecoder:
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"lite decoder weights {path} do not exist")
+        return load_lite_decoder(path)
+    if config.requires_weights and not random_weights:
+        raise ValueError(
+            f"the lite decoder of {config.id} needs weights: distill them from the model's VAE with "
+            "`streamworld distill-decoder` and pass --decoder-weights, or use --random-weights for timing"
+        )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.init_seed + 3)
+        return LiteDecoder.for_latents(
+            config.latent_channels, config.spatial_ratio, config.temporal_ratio, **config.lite_decoder
+        )
 
 
 def _check_training_record(config: ModelConfig, path: str) -> None:

@@ -1,0 +1,228 @@
+"""A small causal video decoder: a cheaper stand-in for the Wan VAE decoder.
+
+The Wan VAE decoder is 3-D convolutions at full resolution with a causal cache; at 480x832 it
+costs about as much GPU time per chunk as the whole DiT (docs/benchmarks.md). Real-time
+demos of causal Wan models decode with a small distilled decoder instead. `LiteDecoder` is
+StreamWorld's: it maps the same normalised latents to the same frame layout as the Wan
+decoder, with 2-D convolutions only, and is trained to imitate it (`distill_lite_decoder`,
+`streamworld distill-decoder`).
+
+Architecture, per latent frame t (all frames of a chunk run in parallel, layer by layer):
+
+    x = 3 tanh(z / 3)                     soft clamp of the latents
+    stem: conv3x3 C -> w0
+    for each resolution level i:
+        memory blocks: y_t = relu(x_t + f([x_t, x_{t-1}])), f = conv3x3 x3 with ReLUs
+        (not at the last level) upsample x2 nearest, conv3x3 w_i -> w_{i+1};
+            on a temporal level, conv1x1 to 2 w_{i+1} and split into two frames in time
+    head: relu, conv3x3 -> 3, clamp to [-1, 1]
+
+Each memory block's only state is its input at the previous frame, so a stream's
+`DecoderState` holds one [B, w, h, w] tensor per block, and decoding chunk by chunk equals
+decoding the whole clip at once. As with Wan, the stream's first latent frame gives one video
+frame (the last of the frames it expands to) and every later one gives `temporal_ratio`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# Widths per resolution level (latent resolution first) and memory blocks per level, for
+# latents from the Wan 2.1 VAE (16 channels, 8x spatial, 4x temporal).
+DEFAULT_WIDTHS = (256, 128, 64, 64)
+DEFAULT_BLOCKS = (3, 3, 3, 1)
+
+
+@dataclass(frozen=True)
+class LiteDecoderConfig:
+    latent_channels: int = 16
+    spatial_ratio: int = 8
+    temporal_ratio: int = 4
+    widths: tuple[int, ...] = DEFAULT_WIDTHS
+    blocks: tuple[int, ...] = DEFAULT_BLOCKS
+
+    def __post_init__(self) -> None:
+        levels = _log2(self.spatial_ratio, "spatial_ratio") + 1
+        if len(self.widths) != levels or len(self.blocks) != levels:
+            raise ValueError(
+                f"a spatial ratio of {self.spatial_ratio} needs {levels} widths and block counts, "
+                f"got {len(self.widths)} and {len(self.blocks)}"
+            )
+        if _log2(self.temporal_ratio, "temporal_ratio") > levels - 1:
+            raise ValueError("the temporal ratio may not exceed the spatial ratio")
+
+    @property
+    def temporal_levels(self) -> int:
+        return _log2(self.temporal_ratio, "temporal_ratio")
+
+
+def _log2(n: int, what: str) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{what} must be a power of two, got {n}")
+    return n.bit_length() - 1
+
+
+class MemoryBlock(nn.Module):
+    """A residual block that sees its input at this frame and at the previous one."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(2 * width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+        )
+
+    def forward(self, x: Tensor, prev: Tensor | None) -> tuple[Tensor, Tensor]:
+        """x [B, T, C, h, w]; prev [B, C, h, w] (the input at the frame before x's first) or
+        None at the start of a stream. Returns the output and the new state (x's last frame)."""
+        b, t = x.shape[:2]
+        first = torch.zeros_like(x[:, 0]) if prev is None else prev.to(x)
+        shifted = torch.cat([first.unsqueeze(1), x[:, :-1]], dim=1)
+        y = self.body(torch.cat([x, shifted], dim=2).flatten(0, 1))
+        return F.relu(x + y.unflatten(0, (b, t))), x[:, -1]
+
+
+class LiteDecoder(nn.Module):
+    """Normalised latents [B, C, F, h, w] -> frames [B, 3, T, H, W] in [-1, 1], causally."""
+
+    def __init__(self, config: LiteDecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        w = config.widths
+        self.stem = nn.Conv2d(config.latent_channels, w[0], 3, padding=1)
+        self.levels = nn.ModuleList()
+        for i, width in enumerate(w):
+            level = nn.Module()
+            level.memory = nn.ModuleList(MemoryBlock(width) for _ in range(config.blocks[i]))
+            if i + 1 < len(w):
+                level.up = nn.Conv2d(width, w[i + 1], 3, padding=1)
+                # Temporal expansion on the first levels, as the Wan decoder does.
+                if i < config.temporal_levels:
+                    level.split = nn.Conv2d(w[i + 1], 2 * w[i + 1], 1)
+            self.levels.append(level)
+        self.head = nn.Conv2d(w[-1], 3, 3, padding=1)
+
+    @property
+    def num_slots(self) -> int:
+        """State tensors per stream: one per memory block."""
+        return sum(self.config.blocks)
+
+    def forward(self, latents: Tensor, state: list[Tensor | None], first_chunk: bool) -> Tensor:
+        """Decode the next latent frames of a stream; `state` (one entry per memory block) is
+        updated in place. Returns [B, 3, T, H, W], T = 1 + r(F - 1) on the first chunk and rF
+        after it."""
+        if len(state) != self.num_slots:
+            raise ValueError(f"the decoder state needs {self.num_slots} slots, got {len(state)}")
+        b, _, f = latents.shape[:3]
+        x = latents.transpose(1, 2).flatten(0, 1)  # [B * F, C, h, w]
+        x = F.relu(self.stem(3.0 * torch.tanh(x / 3.0)))
+        x = x.unflatten(0, (b, f))
+        slot = 0
+        for level in self.levels:
+            for block in level.memory:
+                x, state[slot] = block(x, state[slot])
+                slot += 1
+            if hasattr(level, "up"):
+                t = x.shape[1]
+                y = F.interpolate(x.flatten(0, 1), scale_factor=2.0, mode="nearest")
+                y = F.relu(level.up(y))
+                if hasattr(level, "split"):
+                    # [B * T, 2C, H, W] -> [B, 2T, C, H, W]: each frame becomes two in time.
+                    y = level.split(y).unflatten(1, (2, -1)).flatten(0, 1)
+                    t *= 2
+                x = y.unflatten(0, (b, t))
+        out = self.head(F.relu(x.flatten(0, 1))).unflatten(0, (b, x.shape[1]))
+        if first_chunk:
+            # The first latent frame stands for one video frame: keep the last of its r.
+            out = out[:, self.config.temporal_ratio - 1 :]
+        return out.transpose(1, 2).clamp(-1.0, 1.0)
+
+    @classmethod
+    def for_latents(
+        cls,
+        latent_channels: int,
+        spatial_ratio: int,
+        temporal_ratio: int,
+        widths: Sequence[int] | None = None,
+        blocks: Sequence[int] | None = None,
+    ) -> LiteDecoder:
+        levels = _log2(spatial_ratio, "spatial_ratio") + 1
+        widths = tuple(widths) if widths is not None else _fit(DEFAULT_WIDTHS, levels)
+        blocks = tuple(blocks) if blocks is not None else _fit(DEFAULT_BLOCKS, levels)
+        return cls(LiteDecoderConfig(latent_channels, spatial_ratio, temporal_ratio, widths, blocks))
+
+    def describe(self) -> dict:
+        c = self.config
+        return {
+            "latent_channels": c.latent_channels,
+            "spatial_ratio": c.spatial_ratio,
+            "temporal_ratio": c.temporal_ratio,
+            "widths": list(c.widths),
+            "blocks": list(c.blocks),
+            "parameters": sum(p.numel() for p in self.parameters()),
+        }
+
+
+def _fit(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The default per-level values for n levels: the first n - 1 and the last one."""
+    if n <= len(values):
+        return (*values[: n - 1], values[-1])
+    return (*values[:-1], *([values[-2]] * (n - len(values))), values[-1])
+
+
+def lite_config_from_metadata(meta: dict[str, str]) -> LiteDecoderConfig:
+    """The config recorded in a lite decoder's safetensors metadata."""
+    try:
+        return LiteDecoderConfig(
+            latent_channels=int(meta["latent_channels"]),
+            spatial_ratio=int(meta["spatial_ratio"]),
+            temporal_ratio=int(meta["temporal_ratio"]),
+            widths=_ints(meta["widths"]),
+            blocks=_ints(meta["blocks"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"not a StreamWorld lite decoder file: metadata {e.args[0]!r} is missing") from None
+
+
+def lite_metadata(config: LiteDecoderConfig) -> dict[str, str]:
+    return {
+        "format": "streamworld-lite-decoder",
+        "latent_channels": str(config.latent_channels),
+        "spatial_ratio": str(config.spatial_ratio),
+        "temporal_ratio": str(config.temporal_ratio),
+        "widths": ",".join(map(str, config.widths)),
+        "blocks": ",".join(map(str, config.blocks)),
+    }
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def save_lite_decoder(decoder: LiteDecoder, path: str, extra: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().float().cpu().contiguous() for k, v in decoder.state_dict().items()}
+    save_file(state, path, metadata={**lite_metadata(decoder.config), **(extra or {})})
+
+
+def load_lite_decoder(path: str) -> LiteDecoder:
+    """A lite decoder from a file written by `save_lite_decoder` (`streamworld distill-decoder`)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != "streamworld-lite-decoder":
+            raise ValueError(f"{path} is not a StreamWorld lite decoder (see `streamworld distill-decoder`)")
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
+    decoder = LiteDecoder(lite_config_from_metadata(meta))
+    decoder.load_state_dict(state)
+    return decoder

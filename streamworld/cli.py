@@ -2,7 +2,8 @@
 
 Subcommands: `serve` (the streaming server), `generate` (the sequential reference
 generator), `bench` (the engine against the sequential baseline), `train` and `eval` (the
-embedded PushT world model) and `models` (the model presets).
+embedded PushT world model), `distill-decoder` (the lite decoder) and `models` (the model
+presets).
 """
 
 from __future__ import annotations
@@ -311,6 +312,44 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     ev.add_argument("--json", metavar="OUT", help="write the full report as JSON")
     ev.set_defaults(func=cmd_eval)
+
+    distill = sub.add_parser(
+        "distill-decoder",
+        help="train the lite decoder (--decoder lite) to imitate a model's Wan VAE decoder",
+        description=(
+            "Distil StreamWorld's lite causal decoder from a model's Wan VAE: clips of your videos are "
+            "encoded and decoded by the VAE once (the targets), then the lite decoder learns to produce "
+            "the same frames from the same latents. Reports the PSNR against the VAE decoder on held-out "
+            "clips and writes a .safetensors file for `serve`/`bench --decoder lite --decoder-weights`."
+        ),
+    )
+    distill.add_argument("--model", default="wan2.1-t2v-1.3b", help="model preset (default: wan2.1-t2v-1.3b)")
+    distill.add_argument("--vae", metavar="DIR", help="local diffusers AutoencoderKLWan folder (the teacher)")
+    distill.add_argument("--weights", metavar="DIR", help="a diffusers-style model folder holding vae/")
+    distill.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="distil from a seeded random VAE (checks the pipeline only; the result is useless)",
+    )
+    distill.add_argument(
+        "--videos", required=True, metavar="DIR", help="folder of training videos (mp4, webm, mkv, mov, ...)"
+    )
+    distill.add_argument("--out", required=True, metavar="PATH", help="output .safetensors file")
+    distill.add_argument("--frame-size", metavar="HxW", help="training frame size (default: the model's)")
+    distill.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    distill.add_argument("--batch-size", type=int, default=4, help="clips per step (default 4)")
+    distill.add_argument(
+        "--clip-latent-frames",
+        type=int,
+        default=6,
+        help="latent frames per clip (default 6: a first chunk and a steady-state one)",
+    )
+    distill.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    distill.add_argument("--max-clips", type=int, default=400, help="most clips read (default 400)")
+    distill.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    distill.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:N]")
+    distill.add_argument("--json", metavar="PATH", help="write the training summary as JSON")
+    distill.set_defaults(func=cmd_distill_decoder)
 
     models = sub.add_parser("models", help="list the model presets")
     models.add_argument("--json", action="store_true", help="print the /v1/models entries as JSON")
@@ -682,6 +721,81 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_distill_decoder(args: argparse.Namespace) -> int:
+    import torch
+
+    from .models import get_preset
+    from .models.distill import DistillConfig, distill, read_clips, save, teacher_set, video_files
+    from .models.lite_decoder import LiteDecoder
+    from .models.vae import StreamingVAE
+    from .models.world_model import WeightPaths, resolve_device, resolve_dtype
+
+    try:
+        config = get_preset(args.model)
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    if config.pixel_space:
+        raise UsageError(f"model {config.id} works in pixel space: it has no VAE decoder to distil")
+    if args.frame_size is not None:
+        config = _override(config, argparse.Namespace(frame_size=args.frame_size, window=None))
+    for name in ("steps", "batch_size", "clip_latent_frames", "max_clips"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    out = Path(args.out)
+    if out.suffix != ".safetensors" or not out.resolve().parent.exists():
+        raise UsageError(f"--out must be a .safetensors path in an existing folder, got {out}")
+    vae_path = WeightPaths(root=args.weights, vae=args.vae).resolve().vae if args.weights else args.vae
+    if vae_path is None and config.requires_weights and not args.random_weights:
+        raise UsageError(f"{config.id}: give the teacher VAE with --vae or --weights (or --random-weights)")
+    try:
+        device = resolve_device(args.device)
+        files = video_files(args.videos)
+        dtype = resolve_dtype("auto", device)
+        if vae_path is not None:
+            vae = StreamingVAE.from_pretrained(vae_path, device=device, dtype=dtype)
+        else:
+            vae = StreamingVAE.from_config(config, seed=config.init_seed + 1).to(device, dtype)
+    except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
+        raise UsageError(str(e)) from None
+    frames = 1 + config.temporal_ratio * (args.clip_latent_frames - 1)
+    try:
+        clips = list(read_clips(files, config.height, config.width, frames, args.max_clips))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if len(clips) < 2:
+        raise UsageError(
+            f"the videos under {args.videos} give {len(clips)} clip(s) of {frames} frames; "
+            "at least 2 are needed"
+        )
+    print(f"{len(clips)} clips of {frames} frames at {config.height}x{config.width} from {len(files)} videos")
+    data = teacher_set(vae, clips)
+    del clips
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        decoder = LiteDecoder.for_latents(
+            config.latent_channels, config.spatial_ratio, config.temporal_ratio, **config.lite_decoder
+        )
+    dcfg = DistillConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        latent_frames=args.clip_latent_frames,
+        lr=args.lr,
+        max_clips=args.max_clips,
+        seed=args.seed,
+    )
+    summary = distill(decoder, data, dcfg, device)
+    teacher = str(vae_path) if vae_path else f"{config.id} random VAE (seed {config.init_seed + 1})"
+    summary["teacher"] = teacher
+    save(decoder, str(out), summary, teacher)
+    print(
+        f"wrote {out}: held-out PSNR against the VAE decoder {summary['held_out_psnr_db']:.2f} dB "
+        f"(before training {summary['held_out_psnr_db_before']:.2f} dB), {summary['train_s']:.0f} s"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
     return 0
 
 

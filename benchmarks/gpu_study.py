@@ -22,8 +22,9 @@ Runs (name: streams, KV mode, pacing, what it answers):
 - Runs named `...-lite`, `...-compile` and `...-fast` load the model with the lite decoder,
   with the DiT's elementwise arithmetic compiled, or both (`--decoder lite`, `--compile`):
   `480-1-{noisy,final,clean}-fast`, `480-1-noisy-{lite,compile}` (each change alone),
-  `480-1-noisy-fast-paced`, `480-2-noisy-fast`, `320-N-noisy-paced-fast`, `320-8-noisy-fast`
-  and the two profiles `480-1-noisy-fast-profile`, `320-8-noisy-fast-profile`. Their
+  `480-1-noisy-fast-paced`, `480-2-noisy-fast`, `320-N-noisy-paced-fast`, `320-8-noisy-fast`,
+  `320-8-noisy-fast-tb16k` and `320-{8,10}-noisy-paced-fast-tb16k` (a token budget of 8
+  units), and the two profiles `480-1-noisy-fast-profile`, `320-8-noisy-fast-profile`. Their
   baselines run the same model, so each ratio compares the engine with the sequential loop
   on equal components.
 
@@ -88,6 +89,22 @@ def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
     for n in (4, 6, 8, 10, 12):
         runs.append((f"320-{n}-noisy-paced-fast", "320", BenchConfig(n, 20.0, "noisy", baseline=False)))
     runs.append(("320-8-noisy-fast", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
+    # A token budget of 8 units of 320x512 (the pipelined units of the next chunks wait).
+    runs.append(
+        (
+            "320-8-noisy-fast-tb16k",
+            "320",
+            BenchConfig(8, 15.0, "noisy", "clean", paced=False, token_budget=16384),
+        )
+    )
+    for n in (8, 10):
+        runs.append(
+            (
+                f"320-{n}-noisy-paced-fast-tb16k",
+                "320",
+                BenchConfig(n, 20.0, "noisy", baseline=False, token_budget=16384),
+            )
+        )
     for geometry, streams in (("480", 1), ("320", 8)):
         runs.append(
             (

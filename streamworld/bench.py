@@ -22,6 +22,7 @@ import os
 import platform
 import statistics
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -108,6 +109,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         busy0 = [r.busy_s for r in engine.ranks]
         all_busy0 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
         profiler = _start_profiler() if cfg.profile else None
+        sampler = UtilisationSampler(model.device) if model.device.type == "cuda" else None
         t0 = time.monotonic()
         handles = [
             engine.open_stream(
@@ -132,6 +134,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         await asyncio.sleep(cfg.duration_s)
         t1 = time.monotonic()
         admitted = sum(1 for h in handles if h.queue_position == 0)  # before cancelling admits others
+        utilisation = sampler.stop() if sampler is not None else None
         busy1 = [r.busy_s for r in engine.ranks]
         all_busy1 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
         profile = None
@@ -183,8 +186,41 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         "kv_pages_total": pages_total,
         # Streams the engine admitted (the rest waited for K/V pages the whole run).
         "streams_admitted": admitted,
+        # CUDA: the driver's share of time in which a kernel ran (NVML), sampled over the
+        # window without the profiler's overhead; None where NVML is not available.
+        "gpu_utilisation": utilisation,
         "profile": profile,
     }
+
+
+class UtilisationSampler:
+    """Samples NVML's GPU utilisation (the share of its last sample period, 1/6 s to 1 s
+    depending on the GPU, in which at least one kernel ran) every `interval` seconds on a
+    thread. Needs the `nvidia-ml-py` package (`pip install nvidia-ml-py`)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.1) -> None:
+        self.samples: list[float] = []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._device = device
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, name="streamworld-nvml", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.samples.append(float(torch.cuda.utilization(self._device)))
+            except Exception as e:  # no pynvml, or NVML refused
+                self.error = f"{type(e).__name__}: {e}"
+                return
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        if not self.samples:
+            return {"mean_percent": None, "samples": 0, "error": self.error or "no samples"}
+        return {"mean_percent": statistics.fmean(self.samples), "samples": len(self.samples), "error": None}
 
 
 def _start_profiler() -> torch.profiler.profile:
@@ -356,6 +392,17 @@ def format_report(result: dict) -> str:
         "         executors busy "
         + ", ".join(f"{k} {v:.1%}" for k, v in e.get("executor_busy_share", {}).items()),
     ]
+    util = e.get("gpu_utilisation")
+    if util:
+        lines.append(
+            "gpu      "
+            + (
+                f"utilisation {util['mean_percent']:.1f}% (NVML, {util['samples']} samples: share of time "
+                "a kernel ran)"
+                if util["mean_percent"] is not None
+                else f"utilisation not measured ({util['error']})"
+            )
+        )
     prof = e.get("profile")
     if prof:
         lines.append(

@@ -47,3 +47,28 @@ def test_profile_needs_cuda(capsys):
 
     assert main(["bench", "--model", "tiny-wan", "--device", "cpu", "--profile", "--duration", "1"]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_utilisation_sampler_reports_why_it_has_no_samples_without_nvml(monkeypatch):
+    import time
+
+    import torch
+
+    from streamworld.bench import UtilisationSampler
+
+    def no_nvml(device=None):
+        raise ModuleNotFoundError("pynvml is not installed")
+
+    monkeypatch.setattr(torch.cuda, "utilization", no_nvml)
+    sampler = UtilisationSampler(torch.device("cuda"), interval=0.005)
+    while sampler.error is None:
+        time.sleep(0.01)
+    result = sampler.stop()
+    assert result["mean_percent"] is None and result["samples"] == 0 and "pynvml" in result["error"]
+    values = iter([40.0, 60.0] + [50.0] * 1000)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda device=None: next(values))
+    sampler = UtilisationSampler(torch.device("cuda"), interval=0.005)
+    while len(sampler.samples) < 2:
+        time.sleep(0.01)
+    result = sampler.stop()
+    assert result["samples"] >= 2 and 40.0 <= result["mean_percent"] <= 60.0 and result["error"] is None

@@ -364,8 +364,8 @@ def _add_batch_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=65536,
         help="most query tokens in one batch (default 65536; the most urgent unit always goes). On an "
-        "H200, 8192 (one 480x832 unit) gave one noisy stream 17.0 frames/s and 0.50 s to the first "
-        "frame, against 15.7 and 1.30 s with the default (docs/benchmarks.md)",
+        "H200, 8192 (one 480x832 unit) gave one noisy stream 0.50 s to the first frame instead of 1.30 s, "
+        "and 16384 (8 units of 320x512) let 8 paced streams meet every deadline (docs/benchmarks.md)",
     )
 
 

@@ -449,3 +449,35 @@ async def test_cpu_model_work_runs_on_one_process_wide_thread(tiny_model):
     nested = on_torch_thread("cpu", lambda: on_torch_thread("cpu", lambda: threading.current_thread().name))
     assert seen == {decode_thread} == {here} == {nested} == {"streamworld-cpu"}
     assert threading.current_thread().name != "streamworld-cpu"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_non_finite_model_output_ends_only_its_own_stream(tiny_model, monkeypatch, overlap):
+    """Without overlapped dispatch the check follows every batch; with it (forced here on a
+    CPU, where it is otherwise off) the check happens when the chunk is decoded."""
+    from streamworld.models.schedule import FlowSchedule
+
+    victim_seed = 91
+    step_input = FlowSchedule.step_input
+
+    def poisoned(self, seed, chunk, phase, x0, shape, device):
+        x = step_input(self, seed, chunk, phase, x0, shape, device)
+        return x * float("nan") if seed == victim_seed and chunk == 1 else x
+
+    monkeypatch.setattr(FlowSchedule, "step_input", poisoned)
+    async with AsyncEngine(tiny_model, engine_config(overlap_dispatch=overlap)) as engine:
+        assert engine.overlap is overlap
+        handles = [engine.open_stream(StreamRequest(seed=s, num_chunks=3, kv_mode="noisy")) for s in (0, 1)]
+        victim = engine.open_stream(StreamRequest(seed=victim_seed, num_chunks=3, kv_mode="noisy"))
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        with pytest.raises(StreamError, match="non-finite values in the model output"):
+            await collect(victim)
+        assert engine.pool.pages_used == 0
+    for seed, out in zip((0, 1), results, strict=True):
+        assert_matches(out, reference(tiny_model, seed, 3, "", "noisy"))
+
+
+def test_overlapped_dispatch_needs_a_single_rank(tiny_model):
+    with pytest.raises(ValueError, match="one rank"):
+        AsyncEngine(tiny_model, engine_config(num_ranks=2, overlap_dispatch=True))
+    assert not AsyncEngine(tiny_model, engine_config()).overlap  # off by default on a CPU

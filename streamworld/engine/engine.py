@@ -84,6 +84,12 @@ class EngineConfig:
     max_actions_ahead: int = 4096
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace: bool = False
+    # Queue the next DiT batch while the GPU still runs the current one (executor.py). None:
+    # on with one rank on a GPU (one CUDA stream orders all DiT work, so freed K/V pages
+    # and in-flight latents need no other synchronisation), off otherwise. With it, the
+    # model's outputs are checked for non-finite values when their chunk is decoded
+    # instead of after every batch (that check waits for the GPU).
+    overlap_dispatch: bool | None = None
     # Tests: called on the executor for every unit before it runs; raising fails the unit.
     fault_hook: Callable[[WorkUnit], None] | None = None
 
@@ -126,6 +132,7 @@ class _Result:
     x_t: Any = None
     x0: Any = None
     activation: Any = None
+    ready: Any = None  # overlapped dispatch: the batch's CUDA completion event
 
 
 class StreamHandle:
@@ -194,8 +201,16 @@ class AsyncEngine:
             model.device,
         )
         self.scheduler = Scheduler(self.config.scheduler)
+        overlap = self.config.overlap_dispatch
+        if overlap is None:
+            overlap = model.device.type == "cuda" and self.config.num_ranks == 1
+        elif overlap and self.config.num_ranks > 1:
+            raise ValueError("overlapped dispatch needs one rank (one CUDA stream for all DiT work)")
+        self.overlap = overlap
         # On a CPU all three share the process's one PyTorch thread (executor.py says why).
-        self.ranks = [Executor(f"rank{r}", model.device) for r in range(self.config.num_ranks)]
+        self.ranks = [
+            Executor(f"rank{r}", model.device, overlap=overlap) for r in range(self.config.num_ranks)
+        ]
         self.decoder = Executor("decode", model.device)
         self.prep = Executor("prep", model.device)
         self.streams: dict[int, Stream] = {}
@@ -686,11 +701,13 @@ class AsyncEngine:
             )
         act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
         results = []
+        # Checking for non-finite values waits for the GPU; overlapped dispatch checks at decode.
+        check = not self.overlap
         if last:
             flow = model.dit.head(act)
             for i, w in enumerate(works):
                 x0 = sched.x0_from_flow(x_ts[i], flow[i], w.unit.phase) if w.unit.phase >= 0 else w.chunk.x0
-                ok = bool(torch.isfinite(x0).all())
+                ok = not check or bool(torch.isfinite(x0).all())
                 results.append(
                     _Result(ok, None if ok else "non-finite values in the model output", x_ts[i], x0)
                 )
@@ -699,8 +716,13 @@ class AsyncEngine:
                 row = StageActivation(
                     act.hidden[i : i + 1], act.modulation[i : i + 1], act.temb[i : i + 1], act.num_frames
                 )
-                ok = bool(torch.isfinite(row.hidden).all())
+                ok = not check or bool(torch.isfinite(row.hidden).all())
                 results.append(_Result(ok, None if ok else "non-finite activations", x_ts[i], None, row))
+        if self.overlap and model.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()  # on the rank's stream, after every kernel of this batch
+            for r in results:
+                r.ready = ready
         return results
 
     def _on_batch_done(
@@ -729,6 +751,7 @@ class AsyncEngine:
             if unit.stage == 0 and unit.phase >= 0:
                 chunk.x_t = res.x_t
             chunk.activation = res.activation
+            chunk.ready = res.ready
             if res.x0 is not None:
                 chunk.x0 = res.x0
             if unit.phase != PREFILL:
@@ -771,27 +794,36 @@ class AsyncEngine:
         vae, dtype = self.model.vae, self.model.dtype
         x0s = [chunk.x0 for _, chunk in picked]
         states = [stream.decoder for stream, _ in picked]
+        events = {id(c.ready): c.ready for _, c in picked if c.ready is not None}
+        check = self.overlap
 
         def decode() -> tuple[list[tuple[np.ndarray, torch.Tensor] | BaseException], float]:
             start = time.perf_counter()
-            latents = [x.unsqueeze(0).to(dtype) for x in x0s]
+            for event in events.values():  # the DiT's kernels for these latents have run
+                torch.cuda.current_stream().wait_event(event)
+            results: list = [None] * len(x0s)
+            todo = list(range(len(x0s)))
+            if check:
+                finite = torch.stack([torch.isfinite(x).all() for x in x0s]).tolist()
+                for i in [i for i in todo if not finite[i]]:
+                    results[i] = ValueError("non-finite values in the model output")
+                todo = [i for i in todo if finite[i]]
+            latents = [x0s[i].unsqueeze(0).to(dtype) for i in todo]
             try:
-                videos: list = vae.decode_chunks(latents, states)
+                videos: list = vae.decode_chunks(latents, [states[i] for i in todo]) if todo else []
             except Exception:
                 if len(latents) == 1:
                     raise
                 # One bad stream must not end the others: decode each alone.
                 videos = []
-                for x, state in zip(latents, states, strict=True):
+                for x, i in zip(latents, todo, strict=True):
                     try:
-                        videos.append(vae.decode_chunk(x, state))
+                        videos.append(vae.decode_chunk(x, states[i]))
                     except Exception as e:
                         videos.append(e)
-            out = [
-                v if isinstance(v, BaseException) else (to_uint8(v)[0], x.float().cpu())
-                for v, x in zip(videos, x0s, strict=True)
-            ]
-            return out, time.perf_counter() - start
+            for i, v in zip(todo, videos, strict=True):
+                results[i] = v if isinstance(v, BaseException) else (to_uint8(v)[0], x0s[i].float().cpu())
+            return results, time.perf_counter() - start
 
         fut = self.decoder.submit(decode)
         fut.add_done_callback(lambda f: self._on_decoded(picked, f))

@@ -87,7 +87,13 @@ def on_torch_thread(device: torch.device | str, fn: Callable[[], T]) -> T:
 
 
 class Executor:
-    def __init__(self, name: str, device: torch.device) -> None:
+    """One virtual rank. With `overlap` (CUDA only), a run returns as soon as its kernels are
+    queued and the previous run's kernels have finished, instead of waiting for its own: the
+    caller then prepares and queues the next run while the GPU works, so the GPU does not sit
+    idle while the host builds each batch. Whoever reads a run's results elsewhere (another
+    CUDA stream, the host) must first wait for the CUDA event the run recorded."""
+
+    def __init__(self, name: str, device: torch.device, overlap: bool = False) -> None:
         self.name = name
         self.device = device
         self._pool: _Worker | ThreadPoolExecutor
@@ -97,6 +103,8 @@ class Executor:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamworld-{name}")
         self._futures: set[Future] = set()  # submitted and not finished
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.overlap = overlap and self.cuda_stream is not None
+        self._previous: torch.cuda.Event | None = None  # the last overlapped run's end
         self.busy = False
         self.busy_s = 0.0  # seconds spent running work
         # Ids of the threads that ran work (native and pthread), for profiles. A set, added
@@ -126,7 +134,13 @@ class Executor:
             )
             with ctx, torch.inference_mode():
                 out = fn()
-                if self.cuda_stream is not None:
+                if self.overlap:
+                    queued = torch.cuda.Event()
+                    queued.record(self.cuda_stream)
+                    previous, self._previous = self._previous, queued
+                    if previous is not None:
+                        previous.synchronize()  # at most one run queued ahead of the GPU
+                elif self.cuda_stream is not None:
                     self.cuda_stream.synchronize()
             return out
         finally:

@@ -96,6 +96,9 @@ class ChunkState:
     in_flight: bool = False
     x_t: Any = None  # current step's input latents
     x0: Any = None  # latest clean estimate
+    # With overlapped dispatch: a CUDA event that completes when the last unit's kernels have
+    # run (x0 and x_t are valid on other streams and on the host only after it).
+    ready: Any = None
     activation: Any = None  # StageActivation row between stages
     denoised: bool = False
     decoding: bool = False

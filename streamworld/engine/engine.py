@@ -33,6 +33,7 @@ import torch
 from ..models.actions import gather_latent_actions, latent_action_window
 from ..models.causal_wan import ChunkInput, StageActivation
 from ..models.kv import commit_kv_access, num_kv_versions, prefill_kv_access, step_kv_access
+from ..models.transfer import to_device
 from ..models.vae import image_from_uint8, to_uint8
 from ..models.world_model import WorldModel
 from .executor import Executor
@@ -687,7 +688,7 @@ class AsyncEngine:
                 t, x_t = cfg.context_timestep, chunk.x0
             x_ts.append(x_t)
             timesteps = torch.full((chunk.num_frames,), t, device=model.device)
-            la = None if chunk.latent_actions is None else chunk.latent_actions.to(model.device)
+            la = None if chunk.latent_actions is None else to_device(chunk.latent_actions, model.device)
             inputs.append(ChunkInput(x_t, timesteps, chunk.text, w.view, la))
         if stage.index == 0:
             act = model.dit.embed(inputs)

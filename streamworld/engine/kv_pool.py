@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.kv import context_frame_indices, retained_frame_indices
+from ..models.transfer import tensor_on
 
 
 class PoolExhausted(RuntimeError):
@@ -175,7 +176,7 @@ class PagedKVView:
             return None
         local = block - self.stage.start
         if self._read_idx is None:
-            self._read_idx = torch.tensor(self.read_pages, device=self.pool.keys[self.stage.index].device)
+            self._read_idx = tensor_on(self.read_pages, self.pool.keys[self.stage.index].device)
         idx = self._read_idx
         k = self.pool.keys[self.stage.index][idx, local]
         v = self.pool.values[self.stage.index][idx, local]
@@ -186,7 +187,7 @@ class PagedKVView:
         p = self.tokens_per_frame
         keys, values = self.pool.keys[self.stage.index], self.pool.values[self.stage.index]
         if self._write_idx is None:
-            self._write_idx = [torch.tensor(pages, device=keys.device) for pages in self.write_pages]
+            self._write_idx = [tensor_on(pages, keys.device) for pages in self.write_pages]
         for pages, idx in zip(self.write_pages, self._write_idx, strict=True):
             keys[idx, local] = key.reshape(len(pages), p, *key.shape[1:]).to(keys.dtype)
             values[idx, local] = value.reshape(len(pages), p, *value.shape[1:]).to(values.dtype)
@@ -216,16 +217,14 @@ class PagedKVBatch:
         self.start = stage.start
         self.p = views[0].tokens_per_frame
         device = self.keys.device
-        self.read = (
-            torch.tensor([v.read_pages for v in views], device=device) if views[0].read_pages else None
-        )
+        self.read = tensor_on([v.read_pages for v in views], device) if views[0].read_pages else None
         pages, rows = [], []
         for i, v in enumerate(views):
             for version_pages in v.write_pages:
                 pages.extend(version_pages)
                 rows.extend(i * len(version_pages) + j for j in range(len(version_pages)))
-        self.write = torch.tensor(pages, device=device) if pages else None
-        self.rows = torch.tensor(rows, device=device) if pages else None
+        self.write = tensor_on(pages, device) if pages else None
+        self.rows = tensor_on(rows, device) if pages else None
 
     def context(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values [B, context_frames * P, H, d]."""

@@ -31,6 +31,7 @@ from torch import nn
 
 from .actions import ActionAdapter
 from .kv import KVView
+from .transfer import to_device
 
 SelfAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -317,7 +318,7 @@ class CausalWanDiT(nn.Module):
         n, p = angles.shape[0], cos.shape[1]
 
         def full(t: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-            t = t.float().to(device).view(n, 1, t_dim).expand(n, p, t_dim)
+            t = to_device(t.float(), device).view(n, 1, t_dim).expand(n, p, t_dim)
             return torch.cat([t, table[:, :, t_dim:].expand(n, p, -1)], dim=-1)
 
         return full(angles.cos(), cos), full(angles.sin(), sin)
@@ -330,7 +331,7 @@ class CausalWanDiT(nn.Module):
         rest = self.head_dim - angles.shape[0]
         cos = torch.cat([angles.cos(), torch.ones(rest, dtype=torch.float64)])
         sin = torch.cat([angles.sin(), torch.zeros(rest, dtype=torch.float64)])
-        return cos.float().to(device), sin.float().to(device)
+        return to_device(cos.float(), device), to_device(sin.float(), device)
 
     # --- conditioning -------------------------------------------------------------------
     def prepare_text(self, text_embeds: torch.Tensor) -> CrossKV:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .transfer import to_device
+
 NUM_TRAIN_TIMESTEPS = 1000
 
 
@@ -83,7 +85,7 @@ class FlowSchedule:
         device: torch.device | str,
     ) -> torch.Tensor:
         """x_t fed to denoising `step` of a chunk: pure noise at step 0, re-noised x0 after."""
-        noise = chunk_noise(seed, chunk, step, shape).to(device)
+        noise = to_device(chunk_noise(seed, chunk, step, shape), device)
         if step == 0:
             return noise
         if x0_prev is None:

@@ -530,7 +530,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .engine.executor import on_torch_thread
     from .engine.scheduler import SchedulerConfig
     from .models import PRESETS
-    from .models.world_model import WorldModel, resolve_device
+    from .models.world_model import WeightPaths, WorldModel, resolve_device
     from .server.app import StreamWorldServer
 
     logging.basicConfig(
@@ -549,16 +549,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_weight_paths(args)
     weights = _weight_paths(args)
     models = {}
+    if args.decoder == "lite" and all(PRESETS[m].pixel_space for m in model_ids):
+        raise UsageError("--decoder lite: the served models have no VAE decoder to replace")
     for mid in model_ids:
         config = _override(PRESETS[mid], args)
+        options = _load_options(args)
+        if config.pixel_space:
+            options["decoder"] = "wan"  # --decoder lite applies to the models with a VAE
+        if config.requires_weights or len(model_ids) == 1:
+            model_weights = weights
+        else:  # a small model next to others: its own weights, but the lite decoder's if given
+            lite = options["decoder"] == "lite"
+            model_weights = WeightPaths(lite_decoder=args.decoder_weights) if lite else None
         try:
             models[mid] = on_torch_thread(
                 resolve_device(args.device),
-                lambda config=config: WorldModel.load(
-                    config,
-                    weights if config.requires_weights or len(model_ids) == 1 else None,
-                    **_load_options(args),
-                ),
+                lambda config=config, w=model_weights, o=options: WorldModel.load(config, w, **o),
             )
         except (ValueError, RuntimeError, FileNotFoundError, NotImplementedError) as e:
             raise UsageError(f"{mid}: {e}") from None
@@ -748,6 +754,8 @@ def cmd_distill_decoder(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors" or not out.resolve().parent.exists():
         raise UsageError(f"--out must be a .safetensors path in an existing folder, got {out}")
     vae_path = WeightPaths(root=args.weights, vae=args.vae).resolve().vae if args.weights else args.vae
+    if args.weights and vae_path is None:
+        raise UsageError(f"--weights: {args.weights} has no vae/ folder; give the teacher with --vae")
     if vae_path is None and config.requires_weights and not args.random_weights:
         raise UsageError(f"{config.id}: give the teacher VAE with --vae or --weights (or --random-weights)")
     try:

@@ -45,6 +45,11 @@ def test_chunk_by_chunk_and_batched_decoding_equal_the_whole_clip():
     vae.decode_chunk(torch.randn(1, 4, 3, 8, 8), other)
     assert not torch.allclose(vae.decode_chunk(z[:1, :, 3:], other), parts[1][0])
     assert vae.decoder_kind == "lite" and states[0].nbytes() > 0
+    # A stream's state holds one frame per memory block, not views of the whole chunk.
+    alone = vae.new_decoder_state()
+    vae.decode_chunk(z[:1, :, :3], alone)
+    for slot in alone.feat_cache:
+        assert slot.untyped_storage().nbytes() == slot.numel() * slot.element_size()
 
 
 def test_weights_round_trip_and_bad_files_are_refused(tmp_path):
@@ -153,3 +158,9 @@ def test_distill_decoder_cli_trains_weights_that_serve(tmp_path, capsys):
     assert main(["distill-decoder", "--model", "pusht", "--videos", str(videos), "--out", str(out)]) == 2
     assert "pixel space" in capsys.readouterr().err
     assert main([*gen, "--decoder-weights", str(tmp_path / "missing.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    no_vae = ["distill-decoder", "--model", "tiny-wan", "--weights", str(tmp_path / "empty")]
+    assert main([*no_vae, "--videos", str(videos), "--out", str(out)]) == 2
+    assert "has no vae/ folder" in capsys.readouterr().err
+    assert main(["serve", "--decoder", "lite"]) == 2  # pusht alone: nothing to replace
+    assert "no VAE decoder to replace" in capsys.readouterr().err

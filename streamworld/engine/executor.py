@@ -104,7 +104,10 @@ class Executor:
         self._futures: set[Future] = set()  # submitted and not finished
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.overlap = overlap and self.cuda_stream is not None
-        self._previous: torch.cuda.Event | None = None  # the last overlapped run's end
+        # The last overlapped run's end, and its callable: holding the callable keeps what it
+        # captured (inputs made on other CUDA streams, such as prompt K/V) from going back to
+        # the allocator while queued kernels may still read it.
+        self._previous: tuple[torch.cuda.Event, Callable[[], Any]] | None = None
         self.busy = False
         self.busy_s = 0.0  # seconds spent running work
         # Ids of the threads that ran work (native and pthread), for profiles. A set, added
@@ -137,9 +140,11 @@ class Executor:
                 if self.overlap:
                     queued = torch.cuda.Event()
                     queued.record(self.cuda_stream)
-                    previous, self._previous = self._previous, queued
+                    previous, self._previous = self._previous, (queued, fn)
                     if previous is not None:
-                        previous.synchronize()  # at most one run queued ahead of the GPU
+                        # At most one run queued ahead of the GPU. An asynchronous CUDA error
+                        # of the previous run surfaces here, in this run.
+                        previous[0].synchronize()
                 elif self.cuda_stream is not None:
                     self.cuda_stream.synchronize()
             return out
@@ -154,6 +159,9 @@ class Executor:
         """Returns once none of this executor's work is queued or running."""
         if isinstance(self._pool, ThreadPoolExecutor):
             self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._previous is not None:  # the last overlapped run's kernels
+                self._previous[0].synchronize()
+                self._previous = None
             return
         # The shared CPU thread lives on. Our queued work is not cancelled (its completion
         # callbacks expect a result or an error), but there is at most one batch per

@@ -87,7 +87,8 @@ class MemoryBlock(nn.Module):
         first = torch.zeros_like(x[:, 0]) if prev is None else prev.to(x)
         shifted = torch.cat([first.unsqueeze(1), x[:, :-1]], dim=1)
         y = self.body(torch.cat([x, shifted], dim=2).flatten(0, 1))
-        return F.relu(x + y.unflatten(0, (b, t))), x[:, -1]
+        # A copy: a view would keep the whole chunk's input alive in the stream's state.
+        return F.relu(x + y.unflatten(0, (b, t))), x[:, -1].clone()
 
 
 class LiteDecoder(nn.Module):

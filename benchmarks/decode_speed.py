@@ -15,28 +15,15 @@ import argparse
 import copy
 import json
 import platform
-import statistics
 import sys
 from datetime import datetime, timezone
 
 import torch
+from attention_padding import timed  # benchmarks/ is the script's folder
 
 from streamworld.models import get_preset
 from streamworld.models.lite_decoder import LiteDecoder
 from streamworld.models.vae import StreamingVAE
-
-
-def _time(fn, repeats: int) -> float:
-    """Median milliseconds of fn() on the current CUDA stream."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _steady_states(vae: StreamingVAE, batch: int, latents: torch.Tensor):
@@ -54,7 +41,7 @@ def measure(height: int, width: int, batches: list[int], repeats: int) -> list[d
     with torch.device(dev):
         vae = StreamingVAE.from_config(cfg, seed=1)
     vae = vae.to(dev, dtype)
-    lite = LiteDecoder.for_latents(cfg.latent_channels, cfg.spatial_ratio, cfg.temporal_ratio)
+    lite = LiteDecoder.for_model(cfg)
     lite_cl = copy.deepcopy(lite).to(memory_format=torch.channels_last)
     variants = [("wan", None), ("lite", lite), ("lite-channels-last", lite_cl)]
     for name, decoder in variants:
@@ -68,9 +55,7 @@ def measure(height: int, width: int, batches: list[int], repeats: int) -> list[d
                 # Each call decodes the next chunk; the state size stays the same.
                 vae.decode_chunks([latents] * batch, states)
 
-            for _ in range(2):
-                step()
-            ms = _time(step, repeats)
+            ms = timed(step, repeats)
             frames = batch * f * cfg.temporal_ratio
             rows.append(
                 {

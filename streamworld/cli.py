@@ -783,9 +783,7 @@ def cmd_distill_decoder(args: argparse.Namespace) -> int:
     del clips
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        decoder = LiteDecoder.for_latents(
-            config.latent_channels, config.spatial_ratio, config.temporal_ratio, **config.lite_decoder
-        )
+        decoder = LiteDecoder.for_model(config)
     dcfg = DistillConfig(
         steps=args.steps,
         batch_size=args.batch_size,

@@ -234,7 +234,7 @@ def test_lite_decoder_streams_chunk_by_chunk_on_cuda_bf16(wan13b):
 
     cfg = wan13b.config
     vae = StreamingVAE(wan13b.vae.vae)
-    vae.use_lite_decoder(LiteDecoder.for_latents(cfg.latent_channels, cfg.spatial_ratio, cfg.temporal_ratio))
+    vae.use_lite_decoder(LiteDecoder.for_model(cfg))
     f = cfg.latent_frames_per_chunk
     z = torch.randn(2, cfg.latent_channels, 2 * f, cfg.latent_height, cfg.latent_width, device="cuda")
     full = vae.decode_full(z)

@@ -24,9 +24,7 @@ def _lite_vae(seed: int = 0) -> StreamingVAE:
     cfg = tiny_config()
     vae = StreamingVAE.from_config(cfg, seed=1)
     torch.manual_seed(seed)
-    lite = LiteDecoder.for_latents(
-        cfg.latent_channels, cfg.spatial_ratio, cfg.temporal_ratio, **cfg.lite_decoder
-    )
+    lite = LiteDecoder.for_model(cfg)
     return vae.use_lite_decoder(lite)
 
 

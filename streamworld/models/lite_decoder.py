@@ -27,10 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
 
 # Widths per resolution level (latent resolution first) and memory blocks per level, for
 # latents from the Wan 2.1 VAE (16 channels, 8x spatial, 4x temporal).
@@ -159,6 +163,14 @@ class LiteDecoder(nn.Module):
         widths = tuple(widths) if widths is not None else _fit(DEFAULT_WIDTHS, levels)
         blocks = tuple(blocks) if blocks is not None else _fit(DEFAULT_BLOCKS, levels)
         return cls(LiteDecoderConfig(latent_channels, spatial_ratio, temporal_ratio, widths, blocks))
+
+    @classmethod
+    def for_model(cls, config: ModelConfig) -> LiteDecoder:
+        """A (randomly initialised) lite decoder for a model's latents, sized by
+        `ModelConfig.lite_decoder`."""
+        return cls.for_latents(
+            config.latent_channels, config.spatial_ratio, config.temporal_ratio, **config.lite_decoder
+        )
 
     def describe(self) -> dict:
         c = self.config

@@ -250,9 +250,7 @@ def _lite_decoder(config: ModelConfig, path: str | None, random_weights: bool) -
         )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.init_seed + 3)
-        return LiteDecoder.for_latents(
-            config.latent_channels, config.spatial_ratio, config.temporal_ratio, **config.lite_decoder
-        )
+        return LiteDecoder.for_model(config)
 
 
 def _check_training_record(config: ModelConfig, path: str) -> None:

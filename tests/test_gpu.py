@@ -175,6 +175,28 @@ def test_engine_with_overlapped_dispatch_matches_the_reference_tiny_wan():
         assert err < 1e-3 and frame_err <= 2
 
 
+def test_overlapped_decode_waits_for_slow_dit_kernels():
+    """Each unit's kernels queue behind a long GPU sleep on the rank's stream, so they finish
+    long after the host has moved on: a decode that did not wait for the chunk's CUDA event
+    would read latents not yet written."""
+    from streamworld.engine.stream import StreamRequest
+
+    model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
+
+    def slow(unit) -> None:
+        torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time before this unit's kernels
+
+    requests = [StreamRequest(seed=i, num_chunks=3, prompt="p", kv_mode="noisy") for i in range(3)]
+    outs, _, pages_used = _engine_run(model, requests, fault_hook=slow)
+    assert pages_used == 0
+    ref = ReferenceGenerator(model)
+    for req, out in zip(requests, outs, strict=True):
+        expected = ref.generate(GenerationRequest(seed=req.seed, num_chunks=3, prompt="p", kv_mode="noisy"))
+        err = _rel_err(torch.cat([o.latents for o in out], dim=1), expected.latents)
+        print(f"\noverlapped dispatch with slow DiT kernels vs reference: rel err {err:.1e}")
+        assert err < 1e-3
+
+
 def test_engine_runs_wan13b_streams_in_bf16(wan13b):
     from streamworld.engine.stream import StreamRequest
 

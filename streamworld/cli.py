@@ -74,8 +74,9 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="fuse the DiT's elementwise arithmetic with torch.compile (GPU; needs Triton; the "
-        "first chunks of a run pay the compilation)",
+        help="fuse the DiT's elementwise arithmetic with torch.compile, compiled while the model loads "
+        "(a GPU needs Triton, a CPU a C++ compiler; on an H200 it took one 480x832 stream from 24.9 "
+        "to 28.3 frames/s with --decoder lite)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument(

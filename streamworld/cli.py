@@ -385,7 +385,7 @@ def _override(config, args: argparse.Namespace):
         if not (sep and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0):
             raise UsageError(f"--frame-size must look like 320x512, got {args.frame_size!r}")
         changes.update(height=int(h), width=int(w))
-    if args.window is not None:
+    if getattr(args, "window", None) is not None:  # distill-decoder has no --window
         changes["window_frames"] = args.window
     if not changes:
         return config
@@ -746,8 +746,7 @@ def cmd_distill_decoder(args: argparse.Namespace) -> int:
         raise UsageError(e.args[0]) from None
     if config.pixel_space:
         raise UsageError(f"model {config.id} works in pixel space: it has no VAE decoder to distil")
-    if args.frame_size is not None:
-        config = _override(config, argparse.Namespace(frame_size=args.frame_size, window=None))
+    config = _override(config, args)
     for name in ("steps", "batch_size", "clip_latent_frames", "max_clips"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")

@@ -42,8 +42,8 @@ def measure(height: int, width: int, batches: list[int], repeats: int) -> list[d
         vae = StreamingVAE.from_config(cfg, seed=1)
     vae = vae.to(dev, dtype)
     lite = LiteDecoder.for_model(cfg)
-    lite_cl = copy.deepcopy(lite).to(memory_format=torch.channels_last)
-    variants = [("wan", None), ("lite", lite), ("lite-channels-last", lite_cl)]
+    lite_compiled = copy.deepcopy(lite).to(dev, dtype).compile_for(h, w, f)
+    variants = [("wan", None), ("lite", lite), ("lite-compiled", lite_compiled)]
     for name, decoder in variants:
         vae.lite = None
         if decoder is not None:

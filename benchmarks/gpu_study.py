@@ -57,8 +57,8 @@ GEOMETRIES = {
 VARIANTS = {
     "": {},
     "lite": {"decoder": "lite"},
-    "compile": {"compile_elementwise": True},
-    "fast": {"decoder": "lite", "compile_elementwise": True},
+    "compile": {"compiled": True},
+    "fast": {"decoder": "lite", "compiled": True},
 }
 
 
@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         result["model_load_s"] = load_s
         result["decoder"] = model.vae.decoder_kind
         result["compiled_elementwise"] = model.dit.elementwise_compiled
+        lite = getattr(model.vae, "lite", None)
+        result["compiled_decoder"] = lite is not None and lite.compiled
         result["geometry"] = (
             f"{model.config.height}x{model.config.width}, window {model.config.window_frames}"
         )

@@ -74,9 +74,9 @@ def _add_weight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="fuse the DiT's elementwise arithmetic with torch.compile, compiled while the model loads "
-        "(a GPU needs Triton, a CPU a C++ compiler; on an H200 it took one 480x832 stream from 24.9 "
-        "to 28.3 frames/s with --decoder lite)",
+        help="compile the hot paths with torch.compile while the model loads, so serving never waits "
+        "for it: the DiT's elementwise arithmetic, and the lite decoder with --decoder lite (a GPU "
+        "needs Triton, a CPU a C++ compiler; adds some 30-60 s to loading; figures in docs/benchmarks.md)",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.add_argument(
@@ -414,7 +414,7 @@ def _load_options(args: argparse.Namespace) -> dict:
         device=args.device,
         dtype=args.dtype,
         decoder=args.decoder,
-        compile_elementwise=args.compile,
+        compiled=args.compile,
     )
 
 

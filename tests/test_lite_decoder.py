@@ -1,4 +1,4 @@
-"""The lite decoder (`--decoder lite`), its distillation, and the compiled elementwise DiT path."""
+"""The lite decoder (`--decoder lite`), its distillation, and the compiled paths (`--compile`)."""
 
 from __future__ import annotations
 
@@ -113,6 +113,29 @@ async def test_compiled_elementwise_equals_eager_for_units_and_batches():
     assert max(batches) > 1
     for seed, out in zip((0, 1, 2), outs, strict=True):
         assert_matches(out, eager[seed])
+
+
+def test_compiled_lite_decoder_equals_eager_for_streams_and_batches():
+    eager, compiled = _lite_vae(seed=4), _lite_vae(seed=4)
+    compiled.lite.compile_for(8, 8, 3)  # tiny-wan: 8x8 latents, 3 per chunk
+    assert compiled.lite.compiled and not eager.lite.compiled
+    z = torch.randn(3, 4, 6, 8, 8)
+
+    def decode(vae: StreamingVAE) -> tuple[list[torch.Tensor], list]:
+        """Two chunks of a batch of 3 (another size than compiled for), then one stream."""
+        states = [vae.new_decoder_state() for _ in range(3)]
+        out = [
+            x
+            for s in (0, 3)
+            for x in vae.decode_chunks([z[i : i + 1, :, s : s + 3] for i in range(3)], states)
+        ]
+        return [*out, vae.decode_chunk(z[:1, :, :3], vae.new_decoder_state())], states
+
+    (got, states), (expected, _) = decode(compiled), decode(eager)
+    for x, y in zip(got, expected, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for slot in states[0].feat_cache:  # a compact state through the compiled path too
+        assert slot.untyped_storage().nbytes() == slot.numel() * slot.element_size()
 
 
 def _videos(folder, n: int = 3, frames: int = 30) -> None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from diffusers import WanTransformer3DModel
 from torch import nn
 
+from . import compiling
 from .actions import ActionAdapter
 from .kv import KVView
 from .transfer import to_device
@@ -158,32 +159,16 @@ _COMPILED: _Elementwise | None = None
 
 
 def _compiled_elementwise() -> _Elementwise:
-    """The elementwise functions through torch.compile, compiled lazily, once per process.
-
-    Only the batch dimension is dynamic; token counts and widths are compiled in. With every
-    size dynamic, the generated kernels divide by runtime sizes for every element and
-    cannot vectorise: on an H200 they ran several times slower than the memory traffic
-    allows and gained nothing over eager. A model then needs four variants per function
-    (one unit or a batch; one-frame or full chunks), compiled by `compile_elementwise`.
+    """The elementwise functions through torch.compile, compiled lazily, once per process,
+    with only the batch dimension dynamic (`streamworld.models.compiling`). A model then
+    needs four variants per function (one unit or a batch; one-frame or full chunks),
+    compiled by `compile_elementwise`.
     """
     global _COMPILED
     if _COMPILED is None:
-        # Without this, sizes that happen to be equal when a function is first compiled
-        # are assumed equal forever after, and later batches recompile.
-        torch.fx.experimental._config.use_duck_shape = False
-        # Four variants per function and geometry; leave room for several geometries.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-
-            def call(*args: Any) -> torch.Tensor:
-                for a in args:
-                    if isinstance(a, torch.Tensor) and a.ndim >= 3:  # [B, ...]: not the weights
-                        torch._dynamo.maybe_mark_dynamic(a, 0)
-                return compiled(*args)
-
-            return call
+            return compiling.batch_dynamic(fn, min_ndim=3)  # [B, ...]: not the weights
 
         _COMPILED = _Elementwise(
             fuse(_attention_norm),
@@ -428,16 +413,22 @@ class CausalWanDiT(nn.Module):
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index) -> torch.Tensor:
                 k = ops.rotate(k, q_turn)
                 if batch is not None:
-                    ctx = batch.context(index)
                     batch.store(index, k, v)
                     q = ops.rotate(q, q_turn)
-                    if ctx is None:
-                        return _sdpa(q, k, v, None)
-                    ctx_k, ctx_v = ctx[0].to(k.dtype), ctx[1].to(v.dtype)
-                    if batch_move is not None:
+                    both = batch.context_and_own(index, k.dtype)
+                    if both is None:
+                        ctx = batch.context(index)
+                        if ctx is None:
+                            return _sdpa(q, k, v, None)
+                        both = (
+                            torch.cat([ctx[0].to(k.dtype), k], dim=1),
+                            torch.cat([ctx[1].to(v.dtype), v], dim=1),
+                        )
+                    keys, values = both
+                    if batch_move is not None:  # the sinks lead the context
                         n, cos, sin = batch_move
-                        ctx_k[:, :n] = _rotate(ctx_k[:, :n], cos, sin)
-                    return _sdpa(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), None)
+                        keys[:, :n] = _rotate(keys[:, :n], cos, sin)
+                    return _sdpa(q, keys, values, None)
                 keys, values = [], []
                 for i, unit in enumerate(units):
                     ctx = unit.kv.context(index)

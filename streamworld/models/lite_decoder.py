@@ -25,13 +25,15 @@ frame (the last of the frames it expands to) and every later one gives `temporal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from . import compiling
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -114,6 +116,7 @@ class LiteDecoder(nn.Module):
                     level.split = nn.Conv2d(w[i + 1], 2 * w[i + 1], 1)
             self.levels.append(level)
         self.head = nn.Conv2d(w[-1], 3, 3, padding=1)
+        self._compiled: Callable[..., tuple[Tensor, list[Tensor]]] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -126,14 +129,31 @@ class LiteDecoder(nn.Module):
         after it."""
         if len(state) != self.num_slots:
             raise ValueError(f"the decoder state needs {self.num_slots} slots, got {len(state)}")
+        if any(s is None for s in state):
+            # The start of a stream: the frame "before" it is zeros.
+            zeros = self._zero_state(latents)
+            state[:] = [z if s is None else s for s, z in zip(state, zeros, strict=True)]
+        run = self._decode if self._compiled is None else self._compiled
+        out, state[:] = run(latents, list(state))
+        if first_chunk:
+            # The first latent frame stands for one video frame: keep the last of its r.
+            out = out[:, self.config.temporal_ratio - 1 :]
+        return out.transpose(1, 2)
+
+    def _decode(self, latents: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """latents [B, C, F, h, w] and one state tensor per memory block -> frames
+        [B, T', 3, H, W] clamped to [-1, 1] (T' = rF) and the new state: a pure function, the
+        one `compile_for` compiles."""
         b, _, f = latents.shape[:3]
         x = latents.transpose(1, 2).flatten(0, 1)  # [B * F, C, h, w]
         x = F.relu(self.stem(3.0 * torch.tanh(x / 3.0)))
         x = x.unflatten(0, (b, f))
+        new_state = []
         slot = 0
         for level in self.levels:
             for block in level.memory:
-                x, state[slot] = block(x, state[slot])
+                x, prev = block(x, state[slot])
+                new_state.append(prev)
                 slot += 1
             if hasattr(level, "up"):
                 t = x.shape[1]
@@ -145,10 +165,45 @@ class LiteDecoder(nn.Module):
                     t *= 2
                 x = y.unflatten(0, (b, t))
         out = self.head(F.relu(x.flatten(0, 1))).unflatten(0, (b, x.shape[1]))
-        if first_chunk:
-            # The first latent frame stands for one video frame: keep the last of its r.
-            out = out[:, self.config.temporal_ratio - 1 :]
-        return out.transpose(1, 2).clamp(-1.0, 1.0)
+        return out.clamp(-1.0, 1.0), new_state
+
+    def _zero_state(self, latents: Tensor) -> list[Tensor]:
+        """The state at the start of a stream: zeros shaped like each block's input."""
+        b, h, w = latents.shape[0], *latents.shape[3:]
+        shapes = []
+        for i, (width, blocks) in enumerate(zip(self.config.widths, self.config.blocks, strict=True)):
+            shapes += [(b, width, h << i, w << i)] * blocks
+        return [latents.new_zeros(shape) for shape in shapes]
+
+    def compile_for(self, latent_height: int, latent_width: int, latent_frames: int) -> LiteDecoder:
+        """Decode through torch.compile from now on, compiled now for chunks of
+        `latent_frames` latent frames of that size, on the decoder's device and dtype: one
+        stream and batches of several (the two variants torch.compile makes when only the
+        batch size varies, `streamworld.models.compiling`), so that serving never waits for
+        a compilation. Fuses the convolutions' ReLUs, residual adds and layout changes; on an
+        H200 a 320x512 chunk decodes in about 40% of the eager time (docs/benchmarks.md).
+        Needs a working torch.compile backend (Triton on CUDA, a C++ compiler on the CPU).
+        Results equal eager ones up to float rounding."""
+        compiled = compiling.batch_dynamic(self._decode, min_ndim=4)
+        weight = self.stem.weight
+        with torch.inference_mode():
+            for b in (1, 2):
+                z = torch.zeros(
+                    b,
+                    self.config.latent_channels,
+                    latent_frames,
+                    latent_height,
+                    latent_width,
+                    device=weight.device,
+                    dtype=weight.dtype,
+                )
+                compiled(z, self._zero_state(z))
+        self._compiled = compiled
+        return self
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     @classmethod
     def for_latents(

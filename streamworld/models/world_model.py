@@ -113,12 +113,13 @@ class WorldModel:
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         decoder: str = "wan",
-        compile_elementwise: bool = False,
+        compiled: bool = False,
     ) -> WorldModel:
         """decoder: "wan" (the model's VAE decoder) or "lite" (`LiteDecoder`: its weights from
         `weights.lite_decoder`, seeded random ones with `random_weights` or for models without
-        real weights). compile_elementwise: fuse the DiT's elementwise arithmetic with
-        torch.compile (`CausalWanDiT.compile_elementwise`)."""
+        real weights). compiled: compile the hot paths with torch.compile, now rather than
+        while serving: the DiT's elementwise arithmetic (`CausalWanDiT.compile_elementwise`)
+        and the lite decoder (`LiteDecoder.compile_for`)."""
         if decoder not in ("wan", "lite"):
             raise ValueError(f"unknown decoder {decoder!r}; use wan or lite")
         weights = (weights or WeightPaths()).resolve()
@@ -181,8 +182,11 @@ class WorldModel:
             vae.use_lite_decoder(_lite_decoder(config, weights.lite_decoder, random_weights))
         elif weights.lite_decoder is not None:
             raise ValueError("lite decoder weights were given, but the decoder is wan (use --decoder lite)")
-        if compile_elementwise:
+        if compiled:
             dit.compile_elementwise(config.latent_frames_per_chunk)
+            if isinstance(vae, StreamingVAE) and vae.lite is not None:
+                f = config.latent_frames_per_chunk
+                vae.lite.compile_for(config.latent_height, config.latent_width, f)
 
         text_encoder = None
         if config.takes_prompt:

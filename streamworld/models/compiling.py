@@ -1,0 +1,42 @@
+"""torch.compile with a dynamic batch dimension only, as StreamWorld's hot paths use it.
+
+Served batches vary in size and nothing else (a model's frame size and chunk length are
+fixed when it loads), so every compiled function is compiled with static sizes except
+dimension 0 of its batched inputs. With every size dynamic, the generated kernels divide by
+runtime sizes for every element and cannot vectorise; on an H200 they gained nothing over
+eager (docs/benchmarks.md). Batch size 1 is specialised by torch.compile, so a function
+needs two variants per input geometry: one unit and a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def configure() -> None:
+    """Process-wide settings the compiled paths rely on (idempotent)."""
+    # Without this, sizes that happen to be equal when a function is first compiled are
+    # assumed equal forever after, and later batches recompile.
+    torch.fx.experimental._config.use_duck_shape = False
+    # Two to four variants per function and geometry; leave room for several geometries.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+def batch_dynamic(fn: Callable[..., Any], *, min_ndim: int) -> Callable[..., Any]:
+    """`fn` compiled whole (fullgraph) with dimension 0 of every tensor argument of at least
+    `min_ndim` dimensions dynamic, also inside list arguments; the rest (weights, tables) is
+    compiled in."""
+    configure()
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def call(*args: Any) -> Any:
+        for a in args:
+            for t in a if isinstance(a, list | tuple) else (a,):
+                if isinstance(t, torch.Tensor) and t.ndim >= min_ndim:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*args)
+
+    return call

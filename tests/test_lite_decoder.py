@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from streamworld.cli import main
 from streamworld.engine.engine import AsyncEngine
@@ -108,9 +109,12 @@ async def test_compiled_elementwise_equals_eager_for_units_and_batches():
     model.dit.compile_elementwise(model.config.latent_frames_per_chunk)
     assert model.dit.elementwise_compiled
     torch.testing.assert_close(_reference(model, 0).latents, eager[0].latents, atol=1e-4, rtol=1e-4)
-    # Three streams through the engine: batches of several units take the compiled path too.
+    # Three streams through the engine: batches of several units take the compiled path too,
+    # and the executors compile nothing (batch sizes other than those compiled for included).
+    graphs = counters["stats"]["unique_graphs"]
     outs, batches = await _engine(model, [0, 1, 2])
-    assert max(batches) > 1
+    assert max(batches) > 2
+    assert counters["stats"]["unique_graphs"] == graphs
     for seed, out in zip((0, 1, 2), outs, strict=True):
         assert_matches(out, eager[seed])
 
@@ -131,9 +135,14 @@ def test_compiled_lite_decoder_equals_eager_for_streams_and_batches():
         ]
         return [*out, vae.decode_chunk(z[:1, :, :3], vae.new_decoder_state())], states
 
+    graphs = counters["stats"]["unique_graphs"]
     (got, states), (expected, _) = decode(compiled), decode(eager)
     for x, y in zip(got, expected, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    # A size it was not compiled for decodes eagerly, correctly, and compiles nothing.
+    other = torch.randn(1, 4, 3, 4, 6)
+    torch.testing.assert_close(compiled.decode_full(other), eager.decode_full(other))
+    assert counters["stats"]["unique_graphs"] == graphs  # serving never compiles
     for slot in states[0].feat_cache:  # a compact state through the compiled path too
         assert slot.untyped_storage().nbytes() == slot.numel() * slot.element_size()
 

@@ -168,7 +168,7 @@ def _compiled_elementwise() -> _Elementwise:
     if _COMPILED is None:
 
         def fuse(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-            return compiling.batch_dynamic(fn, min_ndim=3)  # [B, ...]: not the weights
+            return compiling.BatchCompiled(fn, min_ndim=3)  # [B, ...]: not the weights
 
         _COMPILED = _Elementwise(
             fuse(_attention_norm),
@@ -223,7 +223,8 @@ class CausalWanDiT(nn.Module):
         """Fuse the blocks' elementwise arithmetic (adaLN, gated residuals, RoPE) with
         torch.compile, and compile it now, for the model's device and dtype: single units
         and batches, one-frame and `frames_per_chunk`-frame units (the shapes torch.compile
-        specialises on), so that serving never waits for a compilation. Needs a working
+        specialises on), so that serving never waits for a compilation (other shapes then run
+        eagerly, `streamworld.models.compiling.BatchCompiled`). Needs a working
         torch.compile backend (Triton on CUDA, a C++ compiler on the CPU). Results equal the
         eager ones up to float rounding."""
         ops = _compiled_elementwise()
@@ -231,7 +232,7 @@ class CausalWanDiT(nn.Module):
         dev, dtype = weight.device, weight.dtype
         p, d, hd = self.tokens_per_frame, self.dim, self.head_dim
         norm2 = self.transformer.blocks[0].norm2
-        with torch.inference_mode():
+        with torch.inference_mode(), compiling.warming():
             for b in (1, 2):
                 for f in sorted({1, frames_per_chunk}):
                     x = torch.zeros(b, f * p, d, device=dev, dtype=dtype)

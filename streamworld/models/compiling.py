@@ -10,7 +10,8 @@ needs two variants per input geometry: one unit and a batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,18 +26,40 @@ def configure() -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
 
 
-def batch_dynamic(fn: Callable[..., Any], *, min_ndim: int) -> Callable[..., Any]:
+class BatchCompiled:
     """`fn` compiled whole (fullgraph) with dimension 0 of every tensor argument of at least
     `min_ndim` dimensions dynamic, also inside list arguments; the rest (weights, tables) is
-    compiled in."""
-    configure()
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+    compiled in.
 
-    def call(*args: Any) -> Any:
+    It compiles only while `warming()`: the owner calls it there with every variant it will
+    need, before serving starts. Afterwards a call whose inputs no compiled variant accepts
+    runs eagerly instead of compiling. Compiling while serving would stall a stream for
+    seconds, and it is not thread-safe: while one executor thread traces, a compiled call
+    on another fails ("using FX to symbolically trace a dynamo-optimized function").
+    """
+
+    _warming = 0  # process-wide: compiled functions are shared by the models of a process
+
+    def __init__(self, fn: Callable[..., Any], *, min_ndim: int) -> None:
+        configure()
+        self.min_ndim = min_ndim
+        self._compiling = torch.compile(fn, dynamic=False, fullgraph=True)
+        self._run_only = torch._dynamo.run(fn)  # the compiled variants, or eager
+
+    def __call__(self, *args: Any) -> Any:
         for a in args:
             for t in a if isinstance(a, list | tuple) else (a,):
-                if isinstance(t, torch.Tensor) and t.ndim >= min_ndim:
+                if isinstance(t, torch.Tensor) and t.ndim >= self.min_ndim:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-        return compiled(*args)
+        return (self._compiling if BatchCompiled._warming else self._run_only)(*args)
 
-    return call
+
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    """Compiled functions called in this block compile the variants they lack. Only for
+    loading, while no executor runs."""
+    BatchCompiled._warming += 1
+    try:
+        yield
+    finally:
+        BatchCompiled._warming -= 1

@@ -25,7 +25,7 @@ frame (the last of the frames it expands to) and every later one gives `temporal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,7 +116,7 @@ class LiteDecoder(nn.Module):
                     level.split = nn.Conv2d(w[i + 1], 2 * w[i + 1], 1)
             self.levels.append(level)
         self.head = nn.Conv2d(w[-1], 3, 3, padding=1)
-        self._compiled: Callable[..., tuple[Tensor, list[Tensor]]] | None = None
+        self._compiled: compiling.BatchCompiled | None = None
 
     @property
     def num_slots(self) -> int:
@@ -180,13 +180,13 @@ class LiteDecoder(nn.Module):
         `latent_frames` latent frames of that size, on the decoder's device and dtype: one
         stream and batches of several (the two variants torch.compile makes when only the
         batch size varies, `streamworld.models.compiling`), so that serving never waits for
-        a compilation. Fuses the convolutions' ReLUs, residual adds and layout changes; on an
-        H200 a 320x512 chunk decodes in about 40% of the eager time (docs/benchmarks.md).
+        a compilation (other shapes then decode eagerly). Fuses the ReLUs, residual adds and
+        layout changes around the convolutions; figures in docs/benchmarks.md.
         Needs a working torch.compile backend (Triton on CUDA, a C++ compiler on the CPU).
         Results equal eager ones up to float rounding."""
-        compiled = compiling.batch_dynamic(self._decode, min_ndim=4)
+        compiled = compiling.BatchCompiled(self._decode, min_ndim=4)
         weight = self.stem.weight
-        with torch.inference_mode():
+        with torch.inference_mode(), compiling.warming():
             for b in (1, 2):
                 z = torch.zeros(
                     b,

@@ -133,8 +133,13 @@ class LiteDecoder(nn.Module):
             # The start of a stream: the frame "before" it is zeros.
             zeros = self._zero_state(latents)
             state[:] = [z if s is None else s for s, z in zip(state, zeros, strict=True)]
-        run = self._decode if self._compiled is None else self._compiled
-        out, state[:] = run(latents, list(state))
+        if self._compiled is None:
+            out, state[:] = self._decode(latents, list(state))
+        else:
+            out, new_state = self._compiled(latents, list(state))
+            # Compiled code may return the state as views of whole-chunk buffers: copies keep
+            # the stream's state small and its strides those the compiled variants expect.
+            state[:] = [s.clone(memory_format=torch.contiguous_format) for s in new_state]
         if first_chunk:
             # The first latent frame stands for one video frame: keep the last of its r.
             out = out[:, self.config.temporal_ratio - 1 :]

@@ -477,6 +477,21 @@ async def test_non_finite_model_output_ends_only_its_own_stream(tiny_model, monk
         assert_matches(out, reference(tiny_model, seed, 3, "", "noisy"))
 
 
+async def test_a_non_finite_prompt_encoding_ends_only_its_own_stream(tiny_model, monkeypatch):
+    encoder = tiny_model.text_encoder
+    run = encoder._run
+    monkeypatch.setattr(encoder, "_run", lambda p: run(p) * float("nan") if p == "poison" else run(p))
+    async with AsyncEngine(tiny_model, engine_config()) as engine:
+        victim = engine.open_stream(StreamRequest(seed=0, num_chunks=2, prompt="poison"))
+        other = engine.open_stream(StreamRequest(seed=1, num_chunks=2, prompt="fine"))
+        with pytest.raises(StreamError, match=r"prompt encoding failed: .*non-finite"):
+            await collect(victim)
+        out = await collect(other)
+        assert engine.pool.pages_used == 0
+    assert_matches(out, reference(tiny_model, 1, 2, "fine"))
+    assert "poison" not in tiny_model._text_cache
+
+
 def test_overlapped_dispatch_needs_a_single_rank(tiny_model):
     with pytest.raises(ValueError, match="one rank"):
         AsyncEngine(tiny_model, engine_config(num_ranks=2, overlap_dispatch=True))

@@ -197,6 +197,34 @@ def test_overlapped_decode_waits_for_slow_dit_kernels():
         assert err < 1e-3
 
 
+def test_executors_wait_for_work_queued_on_the_default_stream():
+    """Work still queued on the default stream when an engine starts (here the text encoder's
+    weights being restored behind a GPU sleep; in the field, a model's initialisation) must
+    come before the executors' work, which runs on streams of their own."""
+    from streamworld.engine.stream import StreamRequest
+
+    model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
+    request = StreamRequest(seed=5, num_chunks=2, prompt="a fox", kv_mode="noisy")
+    expected = ReferenceGenerator(model).generate(
+        GenerationRequest(seed=5, num_chunks=2, prompt="a fox", kv_mode="noisy")
+    )
+    model._text_cache.clear()
+    model.text_encoder.clear_cache()
+    params = list(model.text_encoder.model.parameters())
+    saved = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.fill_(float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time on the default stream
+        for p, kept in zip(params, saved, strict=True):
+            p.copy_(kept)  # queued behind the sleep
+    (out,), _, pages_used = _engine_run(model, [request])
+    err = _rel_err(torch.cat([o.latents for o in out], dim=1), expected.latents)
+    print(f"\nengine started behind default-stream work vs reference: rel err {err:.1e}")
+    assert pages_used == 0 and err < 1e-3
+
+
 def test_engine_runs_wan13b_streams_in_bf16(wan13b):
     from streamworld.engine.stream import StreamRequest
 

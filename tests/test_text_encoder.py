@@ -155,3 +155,17 @@ def test_from_pretrained_loads_a_pipeline_folder_offline(encoder: TextEncoder, t
     with torch.no_grad():
         expected = encoder.model(input_ids=ids).last_hidden_state[0]
     torch.testing.assert_close(out[:4], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_non_finite_encodings_raise_and_are_not_cached() -> None:
+    encoder = TextEncoder.from_kwargs(TINY_UMT5, text_len=TEXT_LEN, seed=0)
+    weight = encoder.model.shared.weight
+    saved = weight.detach().clone()
+    with torch.no_grad():
+        weight.fill_(float("nan"))  # e.g. weights read before their initialisation finished
+    with pytest.raises(ValueError, match="non-finite"):
+        encoder.encode("a cat")
+    assert encoder.cache_info().currsize == 0
+    with torch.no_grad():
+        weight.copy_(saved)
+    assert torch.isfinite(encoder.encode("a cat")).all()  # tried again, not served stale

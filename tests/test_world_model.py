@@ -54,3 +54,18 @@ def test_prompt_context_is_computed_once_per_prompt(tiny_model):
     assert a is b
     assert len(a.keys) == tiny_model.config.num_layers
     assert not torch.equal(a.keys[0], tiny_model.text_context("another").keys[0])
+
+
+def test_non_finite_prompt_context_raises_and_is_not_cached(tiny_model, monkeypatch):
+    prepare = tiny_model.dit.prepare_text
+
+    def poisoned(embeds):
+        ctx = prepare(embeds)
+        return type(ctx)([k * float("nan") for k in ctx.keys], ctx.values)
+
+    monkeypatch.setattr(tiny_model.dit, "prepare_text", poisoned)
+    with pytest.raises(ValueError, match="non-finite"):
+        tiny_model.text_context("a poisoned prompt")
+    monkeypatch.undo()
+    ctx = tiny_model.text_context("a poisoned prompt")  # computed again, now finite
+    assert all(torch.isfinite(k).all() for k in ctx.keys)

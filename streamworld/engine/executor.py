@@ -103,6 +103,10 @@ class Executor:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"streamworld-{name}")
         self._futures: set[Future] = set()  # submitted and not finished
         self.cuda_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        if self.cuda_stream is not None:
+            # Pool streams are not ordered after the default stream: whatever the creating
+            # thread has queued (a model still being initialised or cast) must come first.
+            self.cuda_stream.wait_stream(torch.cuda.current_stream(device))
         self.overlap = overlap and self.cuda_stream is not None
         # The last overlapped run's end, and its callable: holding the callable keeps what it
         # captured (inputs made on other CUDA streams, such as prompt K/V) from going back to

@@ -185,6 +185,9 @@ class TextEncoder:
             self._misses += 1
         # The model runs outside the lock so a slow prompt does not block cache hits.
         embedding = self._run(key)
+        if not bool(torch.isfinite(embedding).all()):
+            # Not cached: a later request for the prompt tries again.
+            raise ValueError("the text encoder gave non-finite values for this prompt")
         with self._lock:
             if self.cache_size > 0:
                 self._cache[key] = embedding

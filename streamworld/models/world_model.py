@@ -199,6 +199,13 @@ class WorldModel:
                     config, seed=config.init_seed + 2, device=init_dev, dtype=dt
                 )
                 text_encoder.model.to(dev)
+        if dev.type == "cuda":
+            # Initialisation, casts and compile warm-ups were queued on this thread's stream;
+            # the engine's executors run on streams of their own that are not ordered after
+            # it. (The text encoder's random initialisation, 5.7 B parameters for Wan, was
+            # still running when the first prompt was encoded: non-finite cross-attention
+            # K/V and "non-finite values in the model output" for a stream's first chunk.)
+            torch.cuda.synchronize(dev)
         return cls(config, dit, vae, text_encoder, dev, dt)
 
     # --- prompts ----------------------------------------------------------------------------
@@ -215,6 +222,8 @@ class WorldModel:
             else:
                 embeds = self.text_encoder.encode(prompt)
             ctx = self.dit.prepare_text(embeds.to(self.device, self.dtype))
+            if not bool(torch.stack([torch.isfinite(k).all() for k in (*ctx.keys, *ctx.values)]).all()):
+                raise ValueError("the prompt's cross-attention K/V have non-finite values")  # not cached
         with self._text_lock:
             self._text_cache[prompt] = ctx
             while len(self._text_cache) > self._text_cache_size:

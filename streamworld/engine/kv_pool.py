@@ -217,7 +217,7 @@ class PagedKVBatch:
 
     Copies go through `index_select` and `index_copy_` on one block's `[pages, P, H, d]`
     view of the pool: on an H200 these vectorised kernels move the K/V of 8 streams at
-    320x512 in 60-65% of the time advanced indexing takes (docs/benchmarks.md).
+    320x512 in about 60% of the time advanced indexing takes (docs/benchmarks.md).
     """
 
     def __init__(self, views: list[PagedKVView]) -> None:

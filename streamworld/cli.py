@@ -223,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
     bench.add_argument(
+        "--baseline-repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the sequential baseline N times and take the median for the ratio (default 1); "
+        "it runs one unit at a time, so it is host-bound and varies more between runs than the engine",
+    )
+    bench.add_argument(
         "--profile",
         action="store_true",
         help="CUDA only: run the measured window under the PyTorch profiler and report GPU kernel "
@@ -603,6 +611,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.streams < 1 or args.duration <= 0:
         raise UsageError("--streams must be at least 1 and --duration positive")
+    if args.baseline_repeats < 1:
+        raise UsageError("--baseline-repeats must be at least 1")
     _check_batch_args(args)
     if args.json and not Path(args.json).resolve().parent.exists():
         raise UsageError(f"--json: folder {Path(args.json).parent} does not exist")
@@ -625,6 +635,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         token_budget=args.token_budget,
         ttff_budget_s=args.ttff_budget,
         baseline=not args.no_baseline,
+        baseline_repeats=args.baseline_repeats,
         profile=args.profile,
     )
     result = run_bench(model, cfg)

@@ -138,6 +138,16 @@ def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
         "encode",
     }
     assert main(["bench", "--model", "tiny-wan", "--streams", "0", "--duration", "1"]) == 2
+    assert main([*args, "--baseline-repeats", "0"]) == 2
+    # The baseline's median of three runs is the one the ratio uses.
+    three = tmp_path / "three.json"
+    assert main([*args, "--no-baseline", "--json", str(three)]) == 0
+    assert "baseline" not in json.loads(three.read_text())
+    assert main([*args, "--baseline-repeats", "3", "--json", str(three)]) == 0
+    assert "median of 3 runs" in capsys.readouterr().out
+    base = json.loads(three.read_text())["baseline"]
+    assert len(base["runs_fps"]) == 3
+    assert base["aggregate_fps"] == pytest.approx(sorted(base["runs_fps"])[1])
     # A token budget below one unit: the most urgent unit still goes, alone.
     one = tmp_path / "one.json"
     assert main([*args, "--no-baseline", "--token-budget", "1", "--json", str(one)]) == 0

@@ -139,6 +139,15 @@ def test_compiled_lite_decoder_equals_eager_for_streams_and_batches():
     (got, states), (expected, _) = decode(compiled), decode(eager)
     for x, y in zip(got, expected, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    # Batches over the decoder's batch limit (32-bit indexing) decode in parts: 2 + 1 here.
+    assert compiled.lite.batch_limit >= 3  # tiny frames: far from the limit
+    compiled.lite.batch_limit = 2
+    got_parts, states_parts = decode(compiled)
+    for x, y in zip(got_parts, expected, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for a, b in zip(states_parts, states, strict=True):
+        for x, y in zip(a.feat_cache, b.feat_cache, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
     # A size it was not compiled for decodes eagerly, correctly, and compiles nothing.
     other = torch.randn(1, 4, 3, 4, 6)
     torch.testing.assert_close(compiled.decode_full(other), eager.decode_full(other))

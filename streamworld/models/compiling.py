@@ -40,10 +40,13 @@ class BatchCompiled:
 
     _warming = 0  # process-wide: compiled functions are shared by the models of a process
 
-    def __init__(self, fn: Callable[..., Any], *, min_ndim: int) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], *, min_ndim: int, options: dict[str, Any] | None = None
+    ) -> None:
         configure()
         self.min_ndim = min_ndim
-        self._compiling = torch.compile(fn, dynamic=False, fullgraph=True)
+        # `options`: torch.compile's backend options (inductor settings) for this function.
+        self._compiling = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
         self._run_only = torch._dynamo.run(fn)  # the compiled variants, or eager
 
     def __call__(self, *args: Any) -> Any:

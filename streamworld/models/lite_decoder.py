@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from . import compiling
 
@@ -97,6 +99,17 @@ class MemoryBlock(nn.Module):
         return F.relu(x + y.unflatten(0, (b, t))), x[:, -1].clone()
 
 
+# Inductor turns off its channels-last layout optimisation when a convolution's input has a
+# dynamic size (here the batch), and cuDNN's bf16 kernels then convert every convolution's
+# input and output between layouts. Forcing it keeps the decoder channels-last throughout.
+COMPILE_OPTIONS = {"force_layout_optimization": True}
+
+# Compiled kernels index with 32-bit integers where their tensors allow, and guard on it: a
+# batch whose largest intermediate tensor has more elements than this would miss every
+# compiled variant and decode eagerly (8 streams at 480x832 do). Such batches decode in parts.
+INDEX_LIMIT = 2**31 - 1
+
+
 class LiteDecoder(nn.Module):
     """Normalised latents [B, C, F, h, w] -> frames [B, 3, T, H, W] in [-1, 1], causally."""
 
@@ -117,6 +130,9 @@ class LiteDecoder(nn.Module):
             self.levels.append(level)
         self.head = nn.Conv2d(w[-1], 3, 3, padding=1)
         self._compiled: compiling.BatchCompiled | None = None
+        # The largest batch one compiled call decodes (set by `compile_for`); more streams
+        # decode in parts of at most this many.
+        self.batch_limit: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -136,7 +152,7 @@ class LiteDecoder(nn.Module):
         if self._compiled is None:
             out, state[:] = self._decode(latents, list(state))
         else:
-            out, new_state = self._compiled(latents, list(state))
+            out, new_state = self._decode_compiled(latents, list(state))
             # Compiled code may return the state as views of whole-chunk buffers: copies keep
             # the stream's state small and its strides those the compiled variants expect.
             state[:] = [s.clone(memory_format=torch.contiguous_format) for s in new_state]
@@ -172,6 +188,19 @@ class LiteDecoder(nn.Module):
         out = self.head(F.relu(x.flatten(0, 1))).unflatten(0, (b, x.shape[1]))
         return out.clamp(-1.0, 1.0), new_state
 
+    def _decode_compiled(self, latents: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """`_decode` through the compiled variants, in parts of at most `batch_limit` streams."""
+        assert self._compiled is not None
+        step = self.batch_limit or latents.shape[0]
+        if latents.shape[0] <= step:
+            return self._compiled(latents, state)
+        parts = [
+            self._compiled(latents[i : i + step], [s[i : i + step] for s in state])
+            for i in range(0, latents.shape[0], step)
+        ]
+        outs, states = zip(*parts, strict=True)
+        return torch.cat(outs), [torch.cat(slot) for slot in zip(*states, strict=True)]
+
     def _zero_state(self, latents: Tensor) -> list[Tensor]:
         """The state at the start of a stream: zeros shaped like each block's input."""
         b, h, w = latents.shape[0], *latents.shape[3:]
@@ -189,7 +218,7 @@ class LiteDecoder(nn.Module):
         layout changes around the convolutions; figures in docs/benchmarks.md.
         Needs a working torch.compile backend (Triton on CUDA, a C++ compiler on the CPU).
         Results equal eager ones up to float rounding."""
-        compiled = compiling.BatchCompiled(self._decode, min_ndim=4)
+        compiled = compiling.BatchCompiled(self._decode, min_ndim=4, options=dict(COMPILE_OPTIONS))
         weight = self.stem.weight
         with torch.inference_mode(), compiling.warming():
             for b in (1, 2):
@@ -203,6 +232,10 @@ class LiteDecoder(nn.Module):
                     dtype=weight.dtype,
                 )
                 compiled(z, self._zero_state(z))
+            # One stream's largest intermediate tensor, from an eager decode.
+            with _LargestOutput() as largest:
+                self._decode(z[:1], self._zero_state(z[:1]))
+        self.batch_limit = max(1, INDEX_LIMIT // largest.numel)
         self._compiled = compiled
         return self
 
@@ -242,6 +275,19 @@ class LiteDecoder(nn.Module):
             "blocks": list(c.blocks),
             "parameters": sum(p.numel() for p in self.parameters()),
         }
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the most elements any operator's output has while it is active."""
+
+    numel = 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
 
 
 def _fit(values: tuple[int, ...], n: int) -> tuple[int, ...]:

@@ -216,6 +216,7 @@ class LiteDecoder(nn.Module):
         batch size varies, `streamworld.models.compiling`), so that serving never waits for
         a compilation (other shapes then decode eagerly). Fuses the ReLUs, residual adds and
         layout changes around the convolutions; figures in docs/benchmarks.md.
+        Batches larger than `batch_limit` (32-bit indexing, set here) decode in parts.
         Needs a working torch.compile backend (Triton on CUDA, a C++ compiler on the CPU).
         Results equal eager ones up to float rounding."""
         compiled = compiling.BatchCompiled(self._decode, min_ndim=4, options=dict(COMPILE_OPTIONS))

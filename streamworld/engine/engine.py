@@ -155,6 +155,29 @@ class StreamHandle:
         """1-based position in the admission queue; 0 once admitted."""
         return self._engine.queue_position(self.stream.id)
 
+    @property
+    def status(self) -> str:
+        """waiting, running, completed, cancelled or error."""
+        return self.stream.status
+
+    @property
+    def live(self) -> bool:
+        return self.stream.live
+
+    @property
+    def error(self) -> str | None:
+        """Why the stream failed (status `error`), else None."""
+        return self.stream.error
+
+    @property
+    def actions_known(self) -> int:
+        """Video frames whose actions are known (the next appended action's frame)."""
+        return self.stream.actions.known
+
+    def set_paused(self, paused: bool) -> None:
+        """Pauses or resumes the stream's playback clock (backpressure)."""
+        self._engine.set_paused(self.id, paused)
+
     async def admitted(self) -> None:
         """Returns once the stream holds its pages (or has ended without them)."""
         await self._admitted.wait()

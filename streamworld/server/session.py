@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from ..engine.engine import Overloaded, StreamError, Unsupported
-from ..engine.stream import ChunkOutput, StreamRequest
+from ..engine import ChunkOutput, Overloaded, StreamError, StreamRequest, Unsupported
 from .media import make_encoder
 from .protocol import (
     ProtocolError,
@@ -248,7 +247,7 @@ class Session:
         """The stream ended while queued: stopped, failed, or the client left."""
         if self.ws.closed:
             return
-        status = self.handle.stream.status
+        status = self.handle.status
         if self.end_reason == "stopped":
             self._finish("stopped")
             with contextlib.suppress(*CLIENT_GONE):
@@ -256,7 +255,7 @@ class Session:
                 await self.ws.close(code=WSCloseCode.OK)
         elif status == "error":
             self._finish("error")
-            err = (self.handle.stream.error or "internal error").splitlines()[0]
+            err = (self.handle.error or "internal error").splitlines()[0]
             await self.fail_and_close(ProtocolError("internal", err), CLOSE_INTERNAL)
 
     async def _read_start(self) -> SessionStart | None:
@@ -295,7 +294,7 @@ class Session:
                 await asyncio.wait_for(handle.admitted(), timeout=0.5)
             if self.ws.closed:
                 return False
-        return handle.stream.status == "running"
+        return handle.status == "running"
 
     def _started_message(self, encoder) -> dict:
         cfg = self.served.model.config
@@ -352,8 +351,7 @@ class Session:
         try:
             if kind == "action":
                 action = parse_action(parsed, cfg.action_dim)
-                track = self.handle.stream.actions
-                first = track.known if action.frame is None else action.frame
+                first = self.handle.actions_known if action.frame is None else action.frame
                 try:
                     self.handle.push_actions(action.actions, action.frame)
                 except ValueError as e:
@@ -480,7 +478,7 @@ class Session:
                 await self.ws.close(code=CLOSE_POLICY, message=b"too slow")
             return
         if reason == "error":
-            err = (self.handle.stream.error or "internal error").splitlines()[0]
+            err = (self.handle.error or "internal error").splitlines()[0]
             with contextlib.suppress(ConnectionError, RuntimeError):
                 await self.send_json(ProtocolError("internal", err).to_message())
                 await self.send_json({"type": "session.done", "reason": "error", "chunks": self.chunks_sent})
@@ -498,7 +496,7 @@ class Session:
     def _update_pause(self) -> None:
         """Pauses the stream's clock while the client is behind, resumes it when it is not."""
         handle = self.handle
-        if handle is None or not handle.stream.live:
+        if handle is None or not handle.live:
             return
         limits = self.server.limits
         lagging = self.acks_on and self.chunks_handed - self.acked >= limits.ack_window
@@ -509,7 +507,7 @@ class Session:
         behind = len(self.outgoing) >= limits.pause_chunks or lagging
         if behind != self._paused:
             self._paused = behind
-            self.served.engine.set_paused(handle.id, behind)
+            handle.set_paused(behind)
 
     async def _ack_watchdog(self) -> None:
         """Ends a session whose acks do not advance for `slow_client_timeout_s` while it is

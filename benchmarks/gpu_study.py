@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from streamworld.bench import BenchConfig, format_report, run_bench, write_json
+from streamworld.engine import EngineConfig, SchedulerConfig
 from streamworld.models import get_preset
 from streamworld.models.world_model import WorldModel
 
@@ -69,22 +70,37 @@ def _variant(name: str) -> str:
     return ""
 
 
+def _engine(token_budget: int) -> EngineConfig:
+    """The default engine with another per-batch token budget."""
+    return EngineConfig(scheduler=SchedulerConfig(token_budget=token_budget))
+
+
 def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
     """The lite decoder and the compiled elementwise DiT arithmetic, alone and together."""
     runs = []
     for mode in ("noisy", "final", "clean"):
         runs.append(
-            (f"480-1-{mode}-fast", "480", BenchConfig(1, 15.0, mode, mode, paced=False, token_budget=8192))
+            (
+                f"480-1-{mode}-fast",
+                "480",
+                BenchConfig(1, 15.0, mode, mode, paced=False, engine=_engine(token_budget=8192)),
+            )
         )
     for v in ("lite", "compile"):
         runs.append(
             (
                 f"480-1-noisy-{v}",
                 "480",
-                BenchConfig(1, 15.0, "noisy", "noisy", paced=False, token_budget=8192),
+                BenchConfig(1, 15.0, "noisy", "noisy", paced=False, engine=_engine(token_budget=8192)),
             )
         )
-    runs.append(("480-1-noisy-fast-paced", "480", BenchConfig(1, 15.0, "noisy", "noisy", token_budget=8192)))
+    runs.append(
+        (
+            "480-1-noisy-fast-paced",
+            "480",
+            BenchConfig(1, 15.0, "noisy", "noisy", engine=_engine(token_budget=8192)),
+        )
+    )
     runs.append(("480-2-noisy-fast", "480", BenchConfig(2, 15.0, "noisy", "clean", paced=False)))
     for n in (4, 6, 8, 10, 12):
         runs.append((f"320-{n}-noisy-paced-fast", "320", BenchConfig(n, 20.0, "noisy", baseline=False)))
@@ -95,7 +111,9 @@ def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
         (
             "320-8-noisy-fast-tb16k",
             "320",
-            BenchConfig(8, 15.0, "noisy", "clean", paced=False, token_budget=16384, baseline_repeats=3),
+            BenchConfig(
+                8, 15.0, "noisy", "clean", paced=False, engine=_engine(token_budget=16384), baseline_repeats=3
+            ),
         )
     )
     for n in (8, 10):
@@ -103,7 +121,7 @@ def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
             (
                 f"320-{n}-noisy-paced-fast-tb16k",
                 "320",
-                BenchConfig(n, 20.0, "noisy", baseline=False, token_budget=16384),
+                BenchConfig(n, 20.0, "noisy", baseline=False, engine=_engine(token_budget=16384)),
             )
         )
     for geometry, streams in (("480", 1), ("320", 8)):
@@ -118,7 +136,7 @@ def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
                     paced=False,
                     baseline=False,
                     profile=True,
-                    token_budget=8192 if geometry == "480" else 65536,
+                    engine=_engine(token_budget=8192 if geometry == "480" else 65536),
                 ),
             )
         )
@@ -131,7 +149,11 @@ def _runs() -> list[tuple[str, str, BenchConfig]]:
         runs.append((f"480-1-{mode}", "480", BenchConfig(1, 15.0, mode, mode, paced=False)))
     # One unit per batch at this size (batching gains nothing here): does chunk 0 come sooner?
     runs.append(
-        ("480-1-noisy-tb8k", "480", BenchConfig(1, 15.0, "noisy", "noisy", paced=False, token_budget=8192))
+        (
+            "480-1-noisy-tb8k",
+            "480",
+            BenchConfig(1, 15.0, "noisy", "noisy", paced=False, engine=_engine(token_budget=8192)),
+        )
     )
     runs.append(("480-1-noisy-paced", "480", BenchConfig(1, 15.0, "noisy", "noisy")))
     runs.append(

@@ -25,23 +25,32 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 
 import numpy as np
 import torch
 
-from .engine.engine import AsyncEngine, EngineConfig
-from .engine.executor import on_torch_thread
-from .engine.reference import GenerationRequest, ReferenceGenerator
-from .engine.scheduler import SchedulerConfig
-from .engine.stream import StreamRequest
+from .engine import (
+    AsyncEngine,
+    EngineConfig,
+    GenerationRequest,
+    ReferenceGenerator,
+    StreamRequest,
+    on_torch_thread,
+)
 from .models.world_model import WorldModel
 from .scenes import first_frame_source
 
 
 @dataclass
 class BenchConfig:
+    """One bench run: the streams and how they are driven, and the engine they run on.
+
+    `engine` is the engine as a server would configure it; the bench admits every stream
+    (`max_streams` becomes `streams`) and, unpaced, lets the scheduler run any chunk ahead.
+    """
+
     streams: int = 4
     duration_s: float = 20.0
     kv_mode: str | None = None
@@ -49,17 +58,35 @@ class BenchConfig:
     priority: str = "standard"
     prompt: str = "a walk through a forest"
     paced: bool = True  # playback clocks on (real time); off: as fast as possible
-    num_stages: int = 1
-    num_ranks: int = 1
-    max_batch_units: int = 16
-    token_budget: int = 65536
-    ttff_budget_s: float = 1.0
-    lookahead_chunks: float = 2.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
     baseline: bool = True
     # The baseline is run this many times and its median taken: it runs one unit at a time,
     # so it is bound by the host and swings more from run to run than the engine does.
     baseline_repeats: int = 1
     profile: bool = False  # CUDA only: where the GPU time goes (see the module docstring)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine this run starts: room for every stream; unpaced, no lookahead limit."""
+        scheduler = self.engine.scheduler
+        if not self.paced:
+            scheduler = replace(scheduler, lookahead_chunks=1e9)
+        return replace(self.engine, max_streams=max(self.streams, 1), scheduler=scheduler)
+
+    def to_json(self) -> dict:
+        """The run's settings for the result file. The engine knobs that BenchConfig used to
+        hold itself stay as top-level keys too, so readers of older results keep working."""
+        engine = self.engine
+        flat = {
+            "num_stages": engine.num_stages,
+            "num_ranks": engine.num_ranks,
+            "max_batch_units": engine.scheduler.max_batch_units,
+            "token_budget": engine.scheduler.token_budget,
+            "ttff_budget_s": engine.ttff_budget_s,
+            "lookahead_chunks": engine.scheduler.lookahead_chunks,
+        }
+        # A fault hook is a test's function, not a setting, and JSON cannot hold it.
+        settings = asdict(replace(self, engine=replace(engine, fault_hook=None)))
+        return {**settings, **flat}
 
 
 def _inputs(model: WorldModel, seed: int) -> dict:
@@ -81,52 +108,55 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def _measured_stream(model: WorldModel, cfg: BenchConfig, seed: int) -> StreamRequest:
+    return StreamRequest(
+        seed=seed,
+        num_chunks=None,
+        prompt=_prompt(model, cfg),
+        kv_mode=cfg.kv_mode,
+        priority=cfg.priority,
+        **_inputs(model, seed),
+    )
+
+
+@dataclass
+class _Window:
+    """What the measured window needs from the engine at its start and its end."""
+
+    dit_busy: list[float]  # per DiT rank
+    busy: dict[str, float]  # per kind of executor, summed over its executors
+
+
+def _executors(engine: AsyncEngine) -> dict[str, list]:
+    return {"dit": list(engine.ranks), "decode": [engine.decoder], "encode": [engine.prep]}
+
+
+def _snapshot(engine: AsyncEngine) -> _Window:
+    return _Window(
+        dit_busy=[r.busy_s for r in engine.ranks],
+        busy={k: sum(ex.busy_s for ex in v) for k, v in _executors(engine).items()},
+    )
+
+
 async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
-    sched = SchedulerConfig(
-        lookahead_chunks=cfg.lookahead_chunks if cfg.paced else 1e9,
-        max_batch_units=cfg.max_batch_units,
-        token_budget=cfg.token_budget,
-    )
-    engine_cfg = EngineConfig(
-        num_stages=cfg.num_stages,
-        num_ranks=cfg.num_ranks,
-        max_streams=max(cfg.streams, 1),
-        ttff_budget_s=cfg.ttff_budget_s,
-        scheduler=sched,
-    )
-    async with AsyncEngine(model, engine_cfg) as engine:
+    async with AsyncEngine(model, cfg.engine_config()) as engine:
         # Warm-up (kernel selection, allocator, prompt cache), not measured.
-        warm = engine.open_stream(
-            StreamRequest(
-                seed=10_000,
-                num_chunks=1,
-                prompt=_prompt(model, cfg),
-                kv_mode=cfg.kv_mode,
-                **_inputs(model, 10_000),
-            )
+        warm = StreamRequest(
+            seed=10_000,
+            num_chunks=1,
+            prompt=_prompt(model, cfg),
+            kv_mode=cfg.kv_mode,
+            **_inputs(model, 10_000),
         )
-        async for _ in warm:
+        async for _ in engine.open_stream(warm):
             pass
         engine.stats.batch_sizes.clear()
-        executors = {"dit": list(engine.ranks), "decode": [engine.decoder], "encode": [engine.prep]}
-        busy0 = [r.busy_s for r in engine.ranks]
-        all_busy0 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
+        executors = _executors(engine)
+        start = _snapshot(engine)
         profiler = _start_profiler() if cfg.profile else None
         sampler = UtilisationSampler(model.device) if model.device.type == "cuda" else None
         t0 = time.monotonic()
-        handles = [
-            engine.open_stream(
-                StreamRequest(
-                    seed=i,
-                    num_chunks=None,
-                    prompt=_prompt(model, cfg),
-                    kv_mode=cfg.kv_mode,
-                    priority=cfg.priority,
-                    **_inputs(model, i),
-                )
-            )
-            for i in range(cfg.streams)
-        ]
+        handles = [engine.open_stream(_measured_stream(model, cfg, i)) for i in range(cfg.streams)]
         records: list[list[tuple[float, int, bool]]] = [[] for _ in handles]
 
         async def drain(i: int) -> None:
@@ -138,8 +168,7 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         t1 = time.monotonic()
         admitted = sum(1 for h in handles if h.queue_position == 0)  # before cancelling admits others
         utilisation = sampler.stop() if sampler is not None else None
-        busy1 = [r.busy_s for r in engine.ranks]
-        all_busy1 = {k: sum(ex.busy_s for ex in v) for k, v in executors.items()}
+        end = _snapshot(engine)
         profile = None
         if profiler is not None:
             threads = {tid: name for name, v in executors.items() for ex in v for tid in ex.thread_ids}
@@ -147,16 +176,30 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         for h in handles:
             h.cancel()
         await asyncio.gather(*tasks)
-        batch_hist = dict(sorted(engine.stats.batch_sizes.items()))
-        pages_total = engine.pool.pages_total
+        result = _stream_figures(records, t0, t1)
+        result["batch_size_histogram"] = dict(sorted(engine.stats.batch_sizes.items()))
+        result.update(_executor_figures(model, executors, start, end, t1 - t0))
+        result.update(
+            kv_pages_total=engine.pool.pages_total,
+            # Streams the engine admitted (the rest waited for K/V pages the whole run).
+            streams_admitted=admitted,
+            # CUDA: the driver's share of time in which a kernel ran (NVML), sampled over the
+            # window without the profiler's overhead; None where NVML is not available.
+            gpu_utilisation=utilisation,
+            profile=profile,
+        )
+    return result
 
+
+def _stream_figures(records: list[list[tuple[float, int, bool]]], t0: float, t1: float) -> dict:
+    """Throughput, first-frame and gap figures from each stream's (time, frames, missed) chunks."""
     wall = t1 - t0
     per_stream = []
     gaps: list[float] = []
     ttffs: list[float] = []
     met = total_chunks = 0
     for rec in records:
-        rec = [r for r in rec if r[0] <= t1]
+        rec = [r for r in rec if r[0] <= t1]  # chunks after the window's end do not count
         frames = sum(n for _, n, _ in rec)
         times = [t for t, _, _ in rec]
         gaps.extend(np.diff(times).tolist())
@@ -166,8 +209,6 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         met += sum(1 for _, _, missed in rec if not missed)
         total_chunks += len(rec)
         per_stream.append({"frames": frames, "fps": frames / wall, "chunks": len(rec), "ttff_s": ttff})
-    busy = sum(b1 - b0 for b0, b1 in zip(busy0, busy1, strict=True)) / (wall * len(busy0))
-    all_busy = sum(all_busy1.values()) - sum(all_busy0.values())
     return {
         "wall_s": wall,
         "aggregate_fps": sum(s["frames"] for s in per_stream) / wall,
@@ -176,23 +217,26 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         "ttff_s": {"mean": statistics.fmean(ttffs) if ttffs else None, "max": max(ttffs, default=None)},
         "inter_chunk_s": {"p50": _percentile(gaps, 50), "p99": _percentile(gaps, 99)},
         "deadline_attainment": met / total_chunks if total_chunks else None,
-        "batch_size_histogram": batch_hist,
+    }
+
+
+def _executor_figures(
+    model: WorldModel, executors: dict[str, list], start: _Window, end: _Window, wall: float
+) -> dict:
+    busy = sum(b1 - b0 for b0, b1 in zip(start.dit_busy, end.dit_busy, strict=True)) / (
+        wall * len(start.dit_busy)
+    )
+    all_busy = sum(end.busy.values()) - sum(start.busy.values())
+    return {
         # DiT ranks only; decode and prep work are not counted.
         "executor_idle_share": 1.0 - busy,
         # Wall time each kind of executor spent running work (on a GPU: from the first launch
         # to the end of its CUDA stream's sync), as a share of the window.
         "executor_busy_share": {
-            k: (all_busy1[k] - all_busy0[k]) / (wall * len(v)) for k, v in executors.items()
+            k: (end.busy[k] - start.busy[k]) / (wall * len(v)) for k, v in executors.items()
         },
         # On a CPU all executors share one thread: the share of time it had no work.
         "cpu_thread_idle_share": (max(0.0, 1.0 - all_busy / wall) if model.device.type == "cpu" else None),
-        "kv_pages_total": pages_total,
-        # Streams the engine admitted (the rest waited for K/V pages the whole run).
-        "streams_admitted": admitted,
-        # CUDA: the driver's share of time in which a kernel ran (NVML), sampled over the
-        # window without the profiler's overhead; None where NVML is not available.
-        "gpu_utilisation": utilisation,
-        "profile": profile,
     }
 
 
@@ -354,7 +398,7 @@ def run_bench(model: WorldModel, cfg: BenchConfig) -> dict:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": machine_description(model),
         "dtype": str(model.dtype).removeprefix("torch."),
-        "config": asdict(cfg),
+        "config": cfg.to_json(),
         "engine": engine,
     }
     if cfg.baseline:
@@ -366,39 +410,58 @@ def run_bench(model: WorldModel, cfg: BenchConfig) -> dict:
     return result
 
 
+def _num(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def format_report(result: dict) -> str:
-    e = result["engine"]
+    """The result as the table `streamworld bench` prints (also for results read back from JSON)."""
     cfg = result["config"]
-
-    def f(x: float | None, spec: str = ".2f") -> str:
-        return "-" if x is None else format(x, spec)
-
     lines = [
         f"model {result['model']} ({result['dtype']}) on {result['machine']}, {result['date']}",
         f"{cfg['streams']} streams, {cfg['duration_s']:.0f} s, kv_mode {cfg['kv_mode'] or 'default'}, "
         f"{'paced (real-time clocks)' if cfg['paced'] else 'unpaced'}, {cfg['num_stages']} stage(s), "
         f"{cfg['num_ranks']} rank(s)",
+        *_engine_lines(result["engine"], cfg["streams"]),
+        *_gpu_lines(result["engine"]),
+    ]
+    if "baseline" in result:
+        b = result["baseline"]
+        runs = b.get("runs_fps", [])
+        spread = f"; median of {len(runs)} runs, {min(runs):.1f}-{max(runs):.1f}" if len(runs) > 1 else ""
+        lines.append(
+            f"baseline {b['aggregate_fps']:.1f} frames/s (streams one after another, "
+            f"{b['chunks_per_stream']} chunks each, kv_mode {b['kv_mode']}{spread})"
+        )
+        lines.append(f"ratio    engine / baseline = {result['speedup']:.2f}x")
+    return "\n".join(lines)
+
+
+def _engine_lines(e: dict, streams: int) -> list[str]:
+    admitted = e.get("streams_admitted", streams)
+    cpu_idle = e.get("cpu_thread_idle_share")
+    return [
         f"engine   aggregate {e['aggregate_fps']:.1f} frames/s; per stream "
         + ", ".join(f"{s['fps']:.1f}" for s in e["per_stream"])
         + (
-            f" ({e['streams_admitted']} of {cfg['streams']} streams admitted; the rest waited for K/V pages)"
-            if e.get("streams_admitted", cfg["streams"]) < cfg["streams"]
+            f" ({admitted} of {streams} streams admitted; the rest waited for K/V pages)"
+            if admitted < streams
             else ""
         ),
-        f"         time to first frame mean {f(e['ttff_s']['mean'])} s, max {f(e['ttff_s']['max'])} s; "
-        f"inter-chunk p50 {f(e['inter_chunk_s']['p50'], '.3f')} s, "
-        f"p99 {f(e['inter_chunk_s']['p99'], '.3f')} s",
-        f"         deadlines met {f(e['deadline_attainment'], '.1%')}; "
+        f"         time to first frame mean {_num(e['ttff_s']['mean'])} s, max {_num(e['ttff_s']['max'])} s; "
+        f"inter-chunk p50 {_num(e['inter_chunk_s']['p50'], '.3f')} s, "
+        f"p99 {_num(e['inter_chunk_s']['p99'], '.3f')} s",
+        f"         deadlines met {_num(e['deadline_attainment'], '.1%')}; "
         f"DiT executor idle {e['executor_idle_share']:.1%}"
-        + (
-            f" (the one CPU thread: {e['cpu_thread_idle_share']:.1%})"
-            if e.get("cpu_thread_idle_share") is not None
-            else ""
-        )
+        + (f" (the one CPU thread: {cpu_idle:.1%})" if cpu_idle is not None else "")
         + f"; batch sizes {e['batch_size_histogram']}",
         "         executors busy "
         + ", ".join(f"{k} {v:.1%}" for k, v in e.get("executor_busy_share", {}).items()),
     ]
+
+
+def _gpu_lines(e: dict) -> list[str]:
+    lines = []
     util = e.get("gpu_utilisation")
     if util:
         lines.append(
@@ -413,20 +476,12 @@ def format_report(result: dict) -> str:
     prof = e.get("profile")
     if prof:
         lines.append(
-            f"profile  GPU idle {f(prof['gpu_idle_share'], '.1%')} of {prof['window_s']:.1f} s; kernel time "
+            f"profile  GPU idle {_num(prof['gpu_idle_share'], '.1%')} of {prof['window_s']:.1f} s; "
+            "kernel time "
             + ", ".join(f"{k} {v:.2f} s" for k, v in prof["kernel_s"].items())
             + " (throughput figures of a profiled run are slowed by the profiler)"
         )
-    if "baseline" in result:
-        b = result["baseline"]
-        runs = b.get("runs_fps", [])
-        spread = f"; median of {len(runs)} runs, {min(runs):.1f}-{max(runs):.1f}" if len(runs) > 1 else ""
-        lines.append(
-            f"baseline {b['aggregate_fps']:.1f} frames/s (streams one after another, "
-            f"{b['chunks_per_stream']} chunks each, kv_mode {b['kv_mode']}{spread})"
-        )
-        lines.append(f"ratio    engine / baseline = {result['speedup']:.2f}x")
-    return "\n".join(lines)
+    return lines
 
 
 def write_json(result: dict, path: str) -> None:

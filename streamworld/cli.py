@@ -608,6 +608,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, format_report, run_bench, write_json
+    from .engine import EngineConfig, SchedulerConfig
 
     if args.streams < 1 or args.duration <= 0:
         raise UsageError("--streams must be at least 1 and --duration positive")
@@ -629,11 +630,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         priority=args.priority,
         prompt=args.prompt,
         paced=not args.unpaced,
-        num_stages=args.stages,
-        num_ranks=args.ranks,
-        max_batch_units=args.max_batch,
-        token_budget=args.token_budget,
-        ttff_budget_s=args.ttff_budget,
+        engine=EngineConfig(
+            num_stages=args.stages,
+            num_ranks=args.ranks,
+            ttff_budget_s=args.ttff_budget,
+            scheduler=SchedulerConfig(max_batch_units=args.max_batch, token_budget=args.token_budget),
+        ),
         baseline=not args.no_baseline,
         baseline_repeats=args.baseline_repeats,
         profile=args.profile,

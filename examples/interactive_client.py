@@ -33,7 +33,7 @@ from PIL import Image
 from websockets.exceptions import WebSocketException
 
 from streamworld.client import FORMATS, Chunk, StreamWorldClient, StreamWorldError
-from streamworld.server.media import write_mp4
+from streamworld.media import write_mp4
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
 DRAIN_S = 5.0  # after a stop, how long to wait for the chunks already under way

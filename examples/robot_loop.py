@@ -117,7 +117,7 @@ async def run(args: argparse.Namespace) -> int:
         f"mean PSNR {np.mean([r[1] for r in rows]):.2f} dB (frames in px of a 64x64 frame; nan: not visible)"
     )
     if args.video:
-        from streamworld.server.media import write_mp4
+        from streamworld.media import write_mp4
 
         n = len(predicted)
         pairs = np.concatenate([np.stack(truth[1 : n + 1]), np.stack(predicted)], axis=2)

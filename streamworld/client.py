@@ -38,6 +38,8 @@ from PIL import Image
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from .media import FORMATS, SIZED_FORMATS, ChunkDecoder, make_decoder
+
 __all__ = [
     "FORMATS",
     "Chunk",
@@ -48,9 +50,7 @@ __all__ = [
     "generate",
 ]
 
-FORMATS = ("jpeg", "h264", "fmp4", "rgb")
 DEFAULT_MAX_SIZE = 64 * 2**20  # an rgb chunk of 832x480 frames is about 1.2 MiB per frame
-_MAX_REPLAY_FRAMES = 256  # see _VideoDecoder
 
 
 class StreamWorldError(Exception):
@@ -151,147 +151,6 @@ def encode_image(image: np.ndarray | bytes) -> str:
     else:
         raise TypeError(f"image must be a numpy array or PNG/JPEG bytes, not {type(image).__name__}")
     return base64.b64encode(data).decode("ascii")
-
-
-# Decoding. Each decoder turns one chunk payload into uint8 frames [T, H, W, 3]; the video
-# decoders keep state across chunks because only the first chunk of a stream starts with a
-# keyframe.
-
-
-def _split(payload: bytes, sizes: Sequence[int]) -> list[bytes]:
-    offsets = np.cumsum([0, *sizes])
-    return [payload[a:b] for a, b in itertools.pairwise(offsets.tolist())]
-
-
-class _RgbDecoder:
-    def __init__(self, info: SessionInfo) -> None:
-        self.shape = (info.height, info.width, 3)
-
-    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
-        frames = np.frombuffer(payload, dtype=np.uint8).reshape(int(meta["num_frames"]), *self.shape)
-        return frames.copy()  # writable, and free of the message buffer
-
-
-class _JpegDecoder:
-    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
-        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in _split(payload, meta["sizes"])]
-        return np.stack([np.asarray(image) for image in images])
-
-
-def _open_video_decoder(codec: str, extradata: bytes | None) -> av.CodecContext:
-    decoder = av.CodecContext.create(codec, "r")
-    if extradata:
-        decoder.extradata = extradata
-    # Frame threading delays output by a frame per thread; slice threading does not.
-    decoder.thread_type = "SLICE"
-    return decoder
-
-
-class _VideoDecoder:
-    """A persistent decoder fed one coded frame (access unit or MP4 sample) per video frame.
-
-    Without B-frames the decoder outputs every frame as soon as it is fed, so a chunk's
-    frames come out with its payload. Should a decoder still hold frames back, flushing it
-    would end its stream (FFmpeg takes no input after a flush), so the missing frames are
-    decoded again by a throwaway decoder that starts from the last keyframe and is flushed;
-    the persistent decoder's late copies of them are dropped when they come out.
-    """
-
-    def __init__(self, codec: str, extradata: bytes | None = None) -> None:
-        self.codec = codec
-        self.extradata = extradata
-        self._decoder = _open_video_decoder(codec, extradata)
-        self._fed = 0  # coded frames fed so far = video frame index of the next one
-        self._output = 0  # frames the persistent decoder has output so far
-        # Coded frames from the last keyframe on (None once that is too long to decode again).
-        self._gop: list[bytes] | None = []
-        self._gop_start = 0  # video frame index of self._gop[0]
-
-    def decode(self, units: Sequence[bytes], keyframes: Sequence[bool]) -> list[np.ndarray]:
-        first = self._fed  # the chunk's frames are [first, first + len(units))
-        previous_gop = None if self._gop is None else [*self._gop, *units]
-        previous_start = self._gop_start
-        frames: list[np.ndarray] = []
-        for unit, keyframe in zip(units, keyframes, strict=True):
-            if keyframe:
-                self._gop, self._gop_start = [], self._fed
-            if self._gop is not None:
-                self._gop.append(unit)
-                if len(self._gop) > _MAX_REPLAY_FRAMES:
-                    self._gop = None
-            self._fed += 1
-            for frame in self._decoder.decode(av.Packet(unit)):
-                if self._output >= first:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                self._output += 1
-        missing = len(units) - len(frames)
-        if missing > 0:
-            if self._gop is not None and self._gop_start <= self._fed - missing:
-                replay, start = self._gop, self._gop_start
-            elif previous_gop is not None:
-                replay, start = previous_gop, previous_start
-            else:
-                raise ValueError(f"the decoder held back {missing} frames and no keyframe is recent enough")
-            decoder = _open_video_decoder(self.codec, self.extradata)
-            decoded = [frame for unit in replay for frame in decoder.decode(av.Packet(unit))]
-            decoded += decoder.decode(None)
-            stop = self._fed - start
-            frames += [frame.to_ndarray(format="rgb24") for frame in decoded[stop - missing : stop]]
-        return frames
-
-
-def _is_idr(access_unit: bytes) -> bool:
-    """Whether an Annex-B H.264 access unit holds an IDR slice (NAL unit type 5)."""
-    start = access_unit.find(b"\x00\x00\x01")
-    while start != -1 and start + 3 < len(access_unit):
-        if access_unit[start + 3] & 0x1F == 5:
-            return True
-        start = access_unit.find(b"\x00\x00\x01", start + 3)
-    return False
-
-
-class _H264Decoder:
-    def __init__(self) -> None:
-        self._video = _VideoDecoder("h264")
-
-    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
-        units = _split(payload, meta["sizes"])
-        return np.stack(self._video.decode(units, [_is_idr(unit) for unit in units]))
-
-
-class _Fmp4Decoder:
-    """Demuxes each fragment behind the initialization segment; decodes with one persistent decoder."""
-
-    def __init__(self, init_segment: bytes) -> None:
-        self._init = init_segment
-        with av.open(io.BytesIO(init_segment), format="mp4") as container:
-            context = container.streams.video[0].codec_context
-            self._video = _VideoDecoder(context.name, context.extradata)
-
-    def decode(self, payload: bytes, meta: dict[str, Any]) -> np.ndarray:
-        with av.open(io.BytesIO(self._init + payload), format="mp4") as container:
-            packets = [packet for packet in container.demux(video=0) if packet.size]
-            units = [bytes(packet) for packet in packets]
-            keyframes = [packet.is_keyframe for packet in packets]
-        return np.stack(self._video.decode(units, keyframes))
-
-
-_Decoder = _RgbDecoder | _JpegDecoder | _H264Decoder | _Fmp4Decoder
-
-
-def _make_decoder(info: SessionInfo, init_segment: bytes | None) -> _Decoder:
-    if info.format == "rgb":
-        return _RgbDecoder(info)
-    if info.format == "jpeg":
-        return _JpegDecoder()
-    if info.format == "h264":
-        return _H264Decoder()
-    if info.format == "fmp4":
-        assert init_segment is not None
-        return _Fmp4Decoder(init_segment)
-    raise StreamWorldError(
-        "unsupported", f"the client cannot decode format {info.format!r}; use decode=False"
-    )
 
 
 # The client.
@@ -399,7 +258,7 @@ class StreamWorldClient:
         self._closing = False  # close() was called: the end of the connection is no error
         self._pongs: dict[str, list[asyncio.Future[None]]] = {}
         self._ping_ids = itertools.count()
-        self._decoder: _Decoder | None = None
+        self._decoder: ChunkDecoder | None = None
         self._consume = asyncio.Lock()  # chunks are decoded one at a time, in order
 
     def __repr__(self) -> str:
@@ -447,8 +306,15 @@ class StreamWorldClient:
             await asyncio.wait_for(self._await_started(), self.start_timeout)
             assert self.info is not None
             if self.decode:
+                if self.info.format not in FORMATS:
+                    raise StreamWorldError(
+                        "unsupported",
+                        f"the client cannot decode format {self.info.format!r}; use decode=False",
+                    )
                 try:
-                    self._decoder = _make_decoder(self.info, self.init_segment)
+                    self._decoder = make_decoder(
+                        self.info.format, self.info.width, self.info.height, self.init_segment
+                    )
                 except (ValueError, IndexError, av.FFmpegError, OSError) as e:
                     raise StreamWorldError(
                         "protocol", f"the fmp4 initialization segment is unusable: {e}"
@@ -600,7 +466,7 @@ class StreamWorldClient:
                 "protocol", f"{where}: {meta['bytes']} bytes of rgb for {meta['num_frames']} frames"
             )
         sizes = meta.get("sizes")
-        if self.info.format in ("jpeg", "h264") and (
+        if self.info.format in SIZED_FORMATS and (
             not isinstance(sizes, list) or len(sizes) != meta["num_frames"] or sum(sizes) != meta["bytes"]
         ):
             raise StreamWorldError("protocol", f"{where}: sizes {sizes} do not match num_frames and bytes")
@@ -652,7 +518,9 @@ class StreamWorldClient:
         frames = None
         if self._decoder is not None:
             try:
-                frames = await asyncio.to_thread(self._decoder.decode, item.data, meta)
+                frames = await asyncio.to_thread(
+                    self._decoder.decode, item.data, meta["num_frames"], meta.get("sizes")
+                )
             except (ValueError, av.FFmpegError, OSError) as e:
                 raise StreamWorldError(
                     "protocol", f"chunk {meta['index']}: the {self.info.format} payload does not decode: {e}"

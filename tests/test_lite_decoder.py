@@ -157,7 +157,7 @@ def test_compiled_lite_decoder_equals_eager_for_streams_and_batches():
 
 
 def _videos(folder, n: int = 3, frames: int = 30) -> None:
-    from streamworld.server.media import write_mp4
+    from streamworld.media import write_mp4
 
     rng = np.random.default_rng(0)
     folder.mkdir()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from av.video.frame import PictureType
 
-from streamworld.server.media import FORMATS, EncodedChunk, make_encoder
+from streamworld.media import FORMATS, EncodedChunk, make_encoder
 
 WIDTH, HEIGHT, FPS = 64, 64, 16
 CHUNK_FRAMES = (9, 12, 12)  # a shorter first chunk, as with image-conditioned models

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import itertools
 import struct
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import av
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 from av.video.frame import PictureType
 
-from streamworld.media import FORMATS, EncodedChunk, make_encoder
+from streamworld.media import FORMATS, EncodedChunk, make_decoder, make_encoder
 
 WIDTH, HEIGHT, FPS = 64, 64, 16
 CHUNK_FRAMES = (9, 12, 12)  # a shorter first chunk, as with image-conditioned models
@@ -235,3 +237,30 @@ def test_frames_of_the_wrong_shape_or_dtype_are_a_value_error(fmt):
     with pytest.raises(ValueError, match="expected uint8 frames"):
         encoder.encode(frames.astype(np.float32))
     encoder.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_client_decoders_turn_each_chunk_back_into_its_frames(fmt):
+    encoder = make_encoder(fmt, WIDTH, HEIGHT, FPS)
+    decoder = make_decoder(fmt, WIDTH, HEIGHT, encoder.init_segment())
+    for frames in clip_chunks():
+        chunk = encoder.encode(frames)
+        decoded = decoder.decode(chunk.payload, len(frames), chunk.sizes)
+        assert decoded.shape == frames.shape and decoded.dtype == np.uint8
+        assert mean_abs_error(decoded, frames) < MAX_MEAN_ABS_ERROR
+        if fmt == "rgb":
+            np.testing.assert_array_equal(decoded, frames)
+
+
+def test_unknown_format_has_no_decoder():
+    with pytest.raises(ValueError, match="unknown media format"):
+        make_decoder("webm", WIDTH, HEIGHT)
+
+
+def test_media_and_client_load_without_server_or_engine():
+    code = (
+        "import sys, streamworld.client, streamworld.media;"
+        "print(sorted(m for m in sys.modules if m.startswith(('streamworld.server', 'streamworld.engine'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

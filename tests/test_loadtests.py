@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from loadtests import run
 from streamworld.engine.engine import EngineConfig
 from tests.test_pusht import pusht, pusht_server  # noqa: F401 (fixtures)
 from tests.test_server import models, start_server  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_module():
-    spec = importlib.util.spec_from_file_location("streamworld_loadtests_run", ROOT / "loadtests" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-run = _load_module()
 
 
 def test_playout_counts_stalls_against_the_buffer():

@@ -1,18 +1,54 @@
-"""The load generator (`loadtests/run.py`): a short smoke run against a real server."""
+"""The load generator (`loadtests/`): its plan, its agreement with the server, and short smoke runs
+against a real server."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from loadtests import run
+from streamworld.engine import PRIORITY_CLASSES
 from streamworld.engine.engine import EngineConfig
 from tests.test_pusht import pusht, pusht_server  # noqa: F401 (fixtures)
 from tests.test_server import models, start_server  # noqa: F401 (fixture)
 
+try:
+    from streamworld.media import FORMATS as SERVER_FORMATS
+except ImportError:  # the media module's home before it moved out of the server package
+    from streamworld.server.media import FORMATS as SERVER_FORMATS
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_formats_and_priorities_are_the_servers():
+    # The load generator keeps its own lists so that it imports nothing of the server; they
+    # must still name exactly what the server accepts.
+    assert sorted(run.FORMATS) == sorted(SERVER_FORMATS)
+    assert sorted(run.PRIORITIES) == sorted(PRIORITY_CLASSES)
+
+
+def test_documented_command_runs_as_a_script_or_as_a_module():
+    # loadtests/README.md documents `python loadtests/run.py` from the repository root.
+    for command in (["loadtests/run.py"], ["-m", "loadtests.run"]):
+        done = subprocess.run(
+            [sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("usage: python loadtests/run.py") and "--arrival-rate" in done.stdout
+
+
+def test_load_generator_imports_no_server_code():
+    # It is a client of the server's protocol: it must run where only websockets is installed.
+    probe = (
+        "import sys, loadtests.run; print(sorted(m for m in sys.modules if m.split('.')[0] == 'streamworld'))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_playout_counts_stalls_against_the_buffer():

@@ -13,49 +13,25 @@ Engines start in `on_startup` and stop in `on_cleanup`; `on_shutdown` (SIGINT/SI
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..engine.engine import AsyncEngine, EngineConfig
-from ..models.config import ModelConfig
+from ..engine import AsyncEngine, EngineConfig
 from ..models.world_model import WorldModel
-from ..scenes import FirstFrame, first_frame_source
+from ..scenes import first_frame_source
+from .config import ServedModel, ServerConfig
 from .metrics import Metrics
-from .session import Session, SessionLimits
+from .session import Session, SessionContext
 
 log = logging.getLogger("streamworld.server")
 
 # The browser demo ships inside the package, so every install (not only an editable one) has it.
 WEB_ROOT = Path(__file__).resolve().parents[1] / "web"
-DEFAULT_MAX_TEXT_FRAME = 8 * 1024 * 1024
-
-
-@dataclass
-class ServedModel:
-    model: WorldModel
-    engine: AsyncEngine
-    # Image-to-world models: the first frame used when a session gives none (by seed).
-    first_frame: FirstFrame | None = None
-
-    def default_image(self, seed: int) -> tuple[np.ndarray, dict[str, Any] | None] | None:
-        return None if self.first_frame is None else self.first_frame(seed)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    max_text_frame: int = DEFAULT_MAX_TEXT_FRAME
-    encode_threads: int = 2
-    limits: SessionLimits = field(default_factory=SessionLimits)
-    shutdown_grace_s: float = 5.0
 
 
 class StreamWorldServer:
@@ -75,16 +51,21 @@ class StreamWorldServer:
             mid: ServedModel(model, AsyncEngine(model, self.engine_config), first_frame_source(model.config))
             for mid, model in models.items()
         }
-        self.model_configs: dict[str, ModelConfig] = {mid: m.model.config for mid, m in self.models.items()}
         self.default_model = default_model or next(iter(models))
         if self.default_model not in self.models:
             raise ValueError(f"default model {self.default_model!r} is not served")
         self.metrics = Metrics({mid: m.engine for mid, m in self.models.items()})
         self.sessions: set[Session] = set()
-        self.shutting_down = False
         self.encode_pool = ThreadPoolExecutor(
             self.config.encode_threads, thread_name_prefix="streamworld-encode"
         )
+        self.context = SessionContext(
+            self.models, self.default_model, self.limits, self.metrics, self.encode_pool
+        )
+
+    @property
+    def shutting_down(self) -> bool:
+        return self.context.shutting_down
 
     # --- application -----------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -107,22 +88,20 @@ class StreamWorldServer:
 
     async def _shutdown(self, app: web.Application) -> None:
         """Stops admitting, ends live sessions with session.done, drops what does not end."""
-        self.shutting_down = True
+        self.context.shutting_down = True
         sessions = list(self.sessions)
         for s in sessions:
             s.shutdown()
-        idle = [s for s in sessions if s.handle is None]  # connected, no session.start yet
-        closing = [
-            asyncio.ensure_future(s.ws.close(code=1001, message=b"server shutting down")) for s in idle
-        ]
-        waits = [asyncio.ensure_future(s.done.wait()) for s in sessions if s.handle is not None]
+        # Connected without a session.start: nothing to end, only a connection to close.
+        closing = [asyncio.ensure_future(s.close_going_away()) for s in sessions if not s.has_stream]
+        waits = [asyncio.ensure_future(s.done.wait()) for s in sessions if s.has_stream]
         pending_all = closing + waits
         if pending_all:
             _, pending = await asyncio.wait(pending_all, timeout=self.config.shutdown_grace_s)
             for task in pending:
                 task.cancel()
         for s in sessions:
-            if not s.ws.closed or not s.done.is_set():
+            if not s.ended:
                 s.abort()  # a client that does not take session.done in time is dropped
 
     async def _cleanup(self, app: web.Application) -> None:
@@ -168,18 +147,11 @@ class StreamWorldServer:
         # No permessage-deflate: media payloads do not compress, and it costs CPU per chunk.
         ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False)
         await ws.prepare(request)
-        session = Session(self, ws, secrets.token_hex(8), transport=request.transport)
+        session = Session(self.context, ws, secrets.token_hex(8), transport=request.transport)
         self.sessions.add(session)
         try:
-            await session.run()
-        except Exception:
-            log.exception("session %s failed", session.id)
-            with contextlib.suppress(Exception):
-                await ws.send_json({"type": "error", "code": "internal", "message": "internal server error"})
-                await ws.close(code=1011, message=b"internal error")
+            await session.serve()
         finally:
-            session._cancel_stream()
-            session.done.set()
             self.sessions.discard(session)
             if not ws.closed:
                 await ws.close()

@@ -1,12 +1,15 @@
 """Prometheus metrics (names from PROTOCOL.md, all prefixed `streamworld_`).
 
-Event metrics (histograms, counters) are observed by sessions as things happen. State
+Event metrics (histograms, counters) are observed by sessions as things happen, through one
+`SessionMetrics` per session. State
 metrics (sessions, K/V pages, the batch-size histogram kept by each engine) are read from
 the engines when `/metrics` is scraped, so they are never stale.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -15,7 +18,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ..engine.engine import AsyncEngine
+    from ..engine import AsyncEngine, ChunkOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -94,3 +97,46 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SessionMetrics:
+    """What one session observes, for one model: timings of the chunks it sends, how long
+    actions take to show, and its end (counted once, whatever path ends it)."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.started_at = time.monotonic()  # time to first frame counts from session.start
+        self.last_sent: float | None = None
+        # (first frame an action conditions, its arrival), for action_to_frame_seconds.
+        self.pending_actions: deque[tuple[int, float]] = deque(maxlen=1024)
+        self.counted = False
+
+    def action_arrived(self, first_frame: int) -> None:
+        self.pending_actions.append((first_frame, time.monotonic()))
+
+    def chunk_sent(self, chunk: ChunkOutput, first: bool) -> None:
+        m, model = self.metrics, self.model
+        now = time.monotonic()
+        if first:
+            m.ttff.labels(model).observe(now - self.started_at)
+        else:
+            m.inter_chunk.labels(model).observe(now - self.last_sent)
+        self.last_sent = now
+        num_frames = int(chunk.frames.shape[0])
+        m.frames.labels(model).inc(num_frames)
+        if chunk.deadline_missed:
+            m.deadline_miss.labels(model).inc()
+        chunk_started = now - (chunk.timings["total"] + chunk.timings["queued"]) / 1000
+        last_frame = chunk.first_frame + num_frames - 1
+        while self.pending_actions and self.pending_actions[0][0] <= last_frame:
+            _, arrived = self.pending_actions[0]
+            if arrived > chunk_started:
+                break  # arrived after this chunk started: a later chunk shows it
+            self.pending_actions.popleft()
+            m.action_to_frame.labels(model).observe(now - arrived)
+
+    def finish(self, reason: str) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.finished.labels(self.model, reason).inc()

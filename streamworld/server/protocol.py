@@ -1,7 +1,8 @@
-"""The one place that parses and validates client messages (PROTOCOL.md, version 1).
+"""The wire protocol (PROTOCOL.md, version 1) in one place: close codes, parsing and
+validating client messages, and building server messages.
 
-Every problem becomes a `ProtocolError` with a protocol error code (`bad_request`,
-`unsupported`) and a message a person can act on.
+Every problem with a client message becomes a `ProtocolError` with a protocol error code
+(`bad_request`, `unsupported`) and a message a person can act on.
 """
 
 from __future__ import annotations
@@ -16,12 +17,22 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.stream import ACTION_POLICIES, PRIORITY_CLASSES
+from ..engine import ACTION_POLICIES, PRIORITY_CLASSES, ChunkOutput
 from ..models.config import ModelConfig
 from .media import FORMATS
 
 PRIORITIES = tuple(PRIORITY_CLASSES)
 MAX_IMAGE_PIXELS = 4096 * 4096
+
+CLOSE_OK = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_AGAIN = 1013
+# A close frame carries at most 123 bytes of reason.
+MAX_CLOSE_REASON = 120
 
 
 class ProtocolError(Exception):
@@ -191,3 +202,64 @@ def parse_ack(msg: dict[str, Any], chunks_sent: int) -> int:
     if chunk >= chunks_sent:
         raise ProtocolError("bad_request", f"ack for chunk {chunk}, but {chunks_sent} chunks have been sent")
     return chunk
+
+
+# --- server messages ------------------------------------------------------------------------
+
+
+def close_reason(text: str) -> bytes:
+    """A close frame's reason: UTF-8, cut on a character boundary to fit the frame."""
+    return text.encode()[:MAX_CLOSE_REASON].decode(errors="ignore").encode()
+
+
+def error(code: str, message: str) -> dict[str, str]:
+    return ProtocolError(code, message).to_message()
+
+
+def pong(ping: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "pong", "id": ping.get("id")}
+
+
+def session_queued(position: int) -> dict[str, Any]:
+    return {"type": "session.queued", "position": position}
+
+
+def session_started(
+    session_id: str, cfg: ModelConfig, start: SessionStart, codec: str, scene: dict | None
+) -> dict[str, Any]:
+    return {
+        "type": "session.started",
+        "session_id": session_id,
+        "model": cfg.id,
+        "width": cfg.width,
+        "height": cfg.height,
+        "fps": cfg.fps,
+        "format": start.format,
+        "codec": codec,
+        "kv_mode": start.kv_mode,
+        "frames_per_chunk": cfg.frames_per_chunk,
+        "first_chunk_frames": cfg.first_chunk_frames,
+        "seed": start.seed,
+        "action_dim": cfg.action_dim,
+        **({"scene": scene} if scene is not None else {}),
+    }
+
+
+def chunk_header(chunk: ChunkOutput, payload: bytes, sizes: list[int] | None, encode_ms: float) -> dict:
+    """The `chunk` message that precedes a payload; `total` includes the encoding."""
+    timings = dict(chunk.timings, encode=encode_ms, total=chunk.timings["total"] + encode_ms)
+    header = {
+        "type": "chunk",
+        "index": chunk.index,
+        "first_frame": chunk.first_frame,
+        "num_frames": int(chunk.frames.shape[0]),
+        "bytes": len(payload),
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+    }
+    if sizes is not None:
+        header["sizes"] = sizes
+    return header
+
+
+def session_done(reason: str, chunks: int) -> dict[str, Any]:
+    return {"type": "session.done", "reason": reason, "chunks": chunks}

@@ -1,0 +1,48 @@
+"""The server's own settings and what it serves: `ServerConfig`, `SessionLimits`, `ServedModel`.
+
+Engine settings live in `EngineConfig`; these are the limits the server applies on top (text
+frame size, start timeout, backpressure, shutdown grace) and the model-plus-engine pairs it
+serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..engine import AsyncEngine
+from ..models.world_model import WorldModel
+from ..scenes import FirstFrame
+
+# Enough for a base64 first frame.
+DEFAULT_MAX_TEXT_FRAME = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    start_timeout_s: float = 30.0
+    pause_chunks: int = 2
+    slow_client_timeout_s: float = 10.0
+    # Chunks a client that sends acks may hold unacknowledged before its clock pauses.
+    ack_window: int = 3
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    max_text_frame: int = DEFAULT_MAX_TEXT_FRAME
+    encode_threads: int = 2
+    limits: SessionLimits = field(default_factory=SessionLimits)
+    shutdown_grace_s: float = 5.0
+
+
+@dataclass
+class ServedModel:
+    model: WorldModel
+    engine: AsyncEngine
+    # Image-to-world models: the first frame used when a session gives none (by seed).
+    first_frame: FirstFrame | None = None
+
+    def default_image(self, seed: int) -> tuple[np.ndarray, dict[str, Any] | None] | None:
+        return None if self.first_frame is None else self.first_frame(seed)

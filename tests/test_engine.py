@@ -11,11 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from streamworld.engine.engine import AsyncEngine, EngineConfig, Overloaded, StreamError
+from streamworld.engine import (
+    AsyncEngine,
+    EngineConfig,
+    Overloaded,
+    SchedulerConfig,
+    StreamError,
+    StreamRequest,
+)
+from streamworld.engine.kv_modes import COMMIT
 from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
-from streamworld.engine.scheduler import SchedulerConfig
-from streamworld.engine.stream import StreamRequest
-from streamworld.engine.units import COMMIT
 from tests.conftest import load_tiny
 
 # Run everything as soon as possible, with no playback-clock gating: no lookahead bound,
@@ -363,7 +368,7 @@ async def test_a_failing_decode_ends_only_its_own_stream(tiny_model, monkeypatch
     monkeypatch.setattr(vae, "decode_chunk", decode_chunk)
     async with AsyncEngine(tiny_model, engine_config()) as engine:
         handles = [engine.open_stream(StreamRequest(seed=s, num_chunks=2)) for s in (0, 1, 2)]
-        victim_states.append(handles[1].stream.decoder)
+        victim_states.append(engine.runner.streams[handles[1].id].decoder)  # the runner holds tensors
         tasks = [asyncio.create_task(collect(h)) for h in handles]
         with pytest.raises(StreamError, match="injected decode failure"):
             await tasks[1]

@@ -111,8 +111,7 @@ def test_wan13b_generates_480x832_chunks_in_every_kv_mode(wan13b, kv_mode):
 def _engine_run(model: WorldModel, requests, **config):
     import asyncio
 
-    from streamworld.engine.engine import AsyncEngine, EngineConfig
-    from streamworld.engine.scheduler import SchedulerConfig
+    from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
 
     async def main():
         cfg = EngineConfig(ttff_budget_s=1e3, scheduler=SchedulerConfig(lookahead_chunks=1e6), **config)
@@ -130,7 +129,7 @@ def _engine_run(model: WorldModel, requests, **config):
 
 
 def test_engine_with_cuda_stream_ranks_matches_the_reference_tiny_wan():
-    from streamworld.engine.stream import StreamRequest
+    from streamworld.engine import StreamRequest
 
     model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
     modes = ["clean", "final", "noisy", "noisy"]
@@ -154,7 +153,7 @@ def test_engine_with_cuda_stream_ranks_matches_the_reference_tiny_wan():
 def test_engine_with_overlapped_dispatch_matches_the_reference_tiny_wan():
     """One rank on a GPU queues each batch while the previous one runs (overlapped dispatch);
     every stream must still equal the reference, with decodes waiting for the DiT's events."""
-    from streamworld.engine.stream import StreamRequest
+    from streamworld.engine import StreamRequest
 
     model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
     modes = ["clean", "final", "noisy", "noisy", "noisy"]
@@ -179,7 +178,7 @@ def test_overlapped_decode_waits_for_slow_dit_kernels():
     """Each unit's kernels queue behind a long GPU sleep on the rank's stream, so they finish
     long after the host has moved on: a decode that did not wait for the chunk's CUDA event
     would read latents not yet written."""
-    from streamworld.engine.stream import StreamRequest
+    from streamworld.engine import StreamRequest
 
     model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
 
@@ -201,7 +200,7 @@ def test_executors_wait_for_work_queued_on_the_default_stream():
     """Work still queued on the default stream when an engine starts (here the text encoder's
     weights being restored behind a GPU sleep; in the field, a model's initialisation) must
     come before the executors' work, which runs on streams of their own."""
-    from streamworld.engine.stream import StreamRequest
+    from streamworld.engine import StreamRequest
 
     model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
     request = StreamRequest(seed=5, num_chunks=2, prompt="a fox", kv_mode="noisy")
@@ -226,7 +225,7 @@ def test_executors_wait_for_work_queued_on_the_default_stream():
 
 
 def test_engine_runs_wan13b_streams_in_bf16(wan13b):
-    from streamworld.engine.stream import StreamRequest
+    from streamworld.engine import StreamRequest
 
     requests = [StreamRequest(seed=i, num_chunks=2, prompt="a fox", kv_mode="noisy") for i in range(2)]
     t0 = time.perf_counter()
@@ -335,7 +334,7 @@ def test_compiled_lite_decoder_matches_eager_on_cuda_bf16(wan13b):
 
 
 def test_engine_runs_wan13b_with_lite_decoder_and_compiled_elementwise():
-    from streamworld.engine.stream import StreamRequest
+    from streamworld.engine import StreamRequest
 
     model = WorldModel.load(
         get_preset("wan2.1-t2v-1.3b"),

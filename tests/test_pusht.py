@@ -15,9 +15,8 @@ import torch
 
 from streamworld.cli import main as cli_main
 from streamworld.client import StreamWorldClient
-from streamworld.engine.engine import AsyncEngine, EngineConfig
+from streamworld.engine import AsyncEngine, EngineConfig, StreamRequest
 from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
-from streamworld.engine.stream import StreamRequest
 from streamworld.models import get_preset
 from streamworld.models.pixels import PixelCodec, frames_to_latents
 from streamworld.models.world_model import WorldModel, builtin_weights_path

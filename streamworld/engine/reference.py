@@ -23,7 +23,9 @@ import torch
 
 from ..models.actions import gather_latent_actions
 from ..models.causal_wan import ChunkInput, CrossKV
-from ..models.kv import (
+from ..models.vae import DecoderState, image_from_uint8, to_uint8
+from ..models.world_model import WorldModel
+from .kv_modes import (
     commit_kv_access,
     context_frame_indices,
     num_kv_versions,
@@ -31,8 +33,8 @@ from ..models.kv import (
     retained_frame_indices,
     step_kv_access,
 )
-from ..models.vae import DecoderState, image_from_uint8, to_uint8
-from ..models.world_model import WorldModel
+from .request import validate
+from .stream import hold_actions
 
 
 class ContiguousKVCache:
@@ -125,40 +127,6 @@ class GenerationResult:
     decoder_bytes: list[int] = field(default_factory=list)  # causal decoder cache bytes after each chunk
 
 
-def hold_actions(actions: np.ndarray | None, num_frames: int, action_dim: int) -> np.ndarray:
-    """The `hold` action policy: frames past the given actions repeat the last one (zeros at first)."""
-    out = np.zeros((num_frames, action_dim), dtype=np.float32)
-    if actions is None or len(actions) == 0:
-        return out
-    actions = np.asarray(actions, dtype=np.float32).reshape(-1, action_dim)
-    n = min(len(actions), num_frames)
-    out[:n] = actions[:n]
-    out[n:] = actions[n - 1]
-    return out
-
-
-def validate_request(model: WorldModel, req: GenerationRequest) -> str:
-    """Checks a request against the model; returns the KV mode to use."""
-    cfg = model.config
-    kv_mode = req.kv_mode or cfg.default_kv_mode
-    if kv_mode not in cfg.kv_modes:
-        raise ValueError(f"kv_mode {kv_mode!r} is not supported by {cfg.id}; use one of {list(cfg.kv_modes)}")
-    if req.num_chunks < 1:
-        raise ValueError("num_chunks must be at least 1")
-    if cfg.needs_image and req.image is None:
-        raise ValueError(f"model {cfg.id} needs a first image")
-    if not cfg.needs_image and req.image is not None:
-        raise ValueError(f"model {cfg.id} takes no image")
-    if req.image is not None and req.image.shape != (cfg.height, cfg.width, 3):
-        raise ValueError(f"image must be {cfg.height}x{cfg.width} RGB, got shape {tuple(req.image.shape)}")
-    if req.actions is not None:
-        if cfg.action_dim == 0:
-            raise ValueError(f"model {cfg.id} takes no actions")
-        if np.asarray(req.actions).ndim != 2 or np.asarray(req.actions).shape[1] != cfg.action_dim:
-            raise ValueError(f"actions must be a list of vectors of length {cfg.action_dim}")
-    return kv_mode
-
-
 class ReferenceGenerator:
     def __init__(self, model: WorldModel) -> None:
         self.model = model
@@ -166,7 +134,9 @@ class ReferenceGenerator:
     @torch.inference_mode()
     def generate(self, req: GenerationRequest) -> GenerationResult:
         model, cfg = self.model, self.model.config
-        kv_mode = validate_request(model, req)
+        kv_mode = validate(
+            cfg, num_chunks=req.num_chunks, image=req.image, actions=req.actions, kv_mode=req.kv_mode
+        )
         steps = model.schedule.num_steps
         fpc = cfg.latent_frames_per_chunk
         offset = 1 if cfg.needs_image else 0

@@ -1,33 +1,33 @@
-"""The scheduler: plain Python over metadata. It decides; it never computes.
+"""The scheduler: every decision of the engine, in plain Python over stream and chunk
+metadata (stream.py). It decides; it never computes, and it holds no tensors.
 
-Two decisions:
-
-- `chunk_start_time`: when a stream may start its next chunk. Never earlier than
-  `lookahead_chunks` chunk durations before the chunk's deadline (bounded lookahead: a
+- `next_admission`: streams are admitted first come, first served, head of line: a stream
+  whose pages do not fit yet is not overtaken by smaller ones behind it.
+- `start_chunks`: when a stream may start its next chunk. Not before the previous chunk
+  has written the K/V the first unit reads; not while its playback clock is paused; with
+  the `wait` action policy, not before the actions of all its frames are known; at most
+  `num_steps` chunks of one stream at once (the noisy pipeline's depth); and never earlier
+  than `lookahead_chunks` chunk durations before the chunk's deadline (bounded lookahead: a
   stream does not run far ahead of its playback clock, which saves K/V and keeps
   action-to-frame latency low). `interactive` streams start as late as their deadline
   allows (deadline - estimated chunk latency - margin), so the newest actions make it in.
-- `next_batch`: given the ready units of one executor, the most urgent one (priority class
-  first, `interactive` > `standard` > `batch`, then earliest deadline) plus other ready
-  units of the same stage and shape, most urgent first, within a token budget.
+- `ready_units`: the next unit of every chunk whose context is written (kv_modes.py).
+- `next_batch`: of one executor's ready units, the most urgent one (priority class first,
+  `interactive` > `standard` > `batch`, then earliest deadline) plus other ready units of
+  the same stage and shape, most urgent first, within a token budget.
+- `next_decode_batch`: the most urgent chunk ready to decode, with others whose decoder
+  states and shapes agree and whose class is the same (lower classes do not ride along
+  and delay it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .units import WorkUnit
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    lookahead_chunks: float = 2.0
-    # Interactive chunks start this much earlier than the latency estimate says.
-    jit_margin_s: float = 0.05
-    jit_safety: float = 1.5
-    max_batch_units: int = 16
-    # Query tokens in one batch (the sum over its units).
-    token_budget: int = 65536
+from .config import SchedulerConfig
+from .kv_modes import PREFILL_CHUNK, chunk_phases, context_dependency, unit_index
+from .stream import ChunkState, Stream, WorkUnit
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,29 @@ class ReadyUnit:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        *,
+        num_stages: int = 1,
+        num_steps: int = 1,
+        num_ranks: int = 1,
+        max_decode_batch: int = 8,
+    ) -> None:
         self.config = config or SchedulerConfig()
+        self.num_stages = num_stages
+        self.num_steps = num_steps
+        self.num_ranks = num_ranks
+        self.max_decode_batch = max_decode_batch
 
+    # --- admission --------------------------------------------------------------------------
+    def next_admission(self, waiting: list[Stream], fits: Callable[[Stream], bool]) -> Stream | None:
+        """The waiting stream to admit now, if any (`fits`: its pages can be reserved)."""
+        if waiting and fits(waiting[0]):
+            return waiting[0]
+        return None
+
+    # --- starting chunks --------------------------------------------------------------------
     def chunk_start_time(
         self, deadline: float, priority: int, chunk_duration: float, est_latency: float | None
     ) -> float:
@@ -55,6 +75,90 @@ class Scheduler:
             jit = deadline - self.config.jit_safety * est_latency - self.config.jit_margin_s
             earliest = max(earliest, jit)
         return earliest
+
+    def start_chunks(
+        self, streams: Iterable[Stream], now: float, est_latency: float | None
+    ) -> tuple[list[tuple[Stream, ChunkState]], float | None]:
+        """Starts every chunk whose time has come; returns them and the next start time."""
+        started: list[tuple[Stream, ChunkState]] = []
+        next_time: float | None = None
+        for stream in streams:
+            if not stream.live or not stream.text_ready:
+                continue
+            if stream.prefill_pending:
+                if not stream.image_ready:
+                    continue
+                started.append((stream, stream.start_prefill(now)))
+            while self._may_start(stream):
+                est = stream.est_latency if stream.est_latency is not None else est_latency
+                start_at = self.chunk_start_time(
+                    stream.deadline(stream.next_chunk), stream.priority, stream.chunk_duration, est
+                )
+                if now < start_at:
+                    next_time = start_at if next_time is None else min(next_time, start_at)
+                    break
+                started.append(
+                    (stream, stream.start_chunk(chunk_phases(stream.kv_mode, self.num_steps), now))
+                )
+        return started, next_time
+
+    def _may_start(self, stream: Stream) -> bool:
+        """May the stream's next chunk start, its clock aside?"""
+        if stream.paused_since is not None or not stream.wants_more():
+            return False
+        if len(stream.chunks) > self.num_steps:  # in-flight cap
+            return False
+        first_phase = chunk_phases(stream.kv_mode, self.num_steps)[0]
+        if not self.context_ready(stream, stream.next_chunk, first_phase, 0):
+            return False
+        waits = stream.config.action_dim and stream.request.action_policy == "wait"
+        return not waits or stream.next_chunk_actions_known()
+
+    def context_ready(self, stream: Stream, c: int, phase: int, stage: int) -> bool:
+        """Has the previous chunk written the K/V this unit reads at this stage?"""
+        if c == PREFILL_CHUNK:
+            return True
+        prev = c - 1
+        if prev == PREFILL_CHUNK:
+            if not stream.config.needs_image:
+                return True
+            if stream.prefill_pending:
+                return False
+            prev_state = stream.chunks.get(PREFILL_CHUNK)
+            return prev_state is None or prev_state.progress > stage
+        prev_state = stream.chunks.get(prev)
+        if prev_state is None:
+            return prev < stream.next_chunk  # finished and retired
+        dep = context_dependency(stream.kv_mode, phase, self.num_steps)
+        return prev_state.progress > unit_index(prev_state.phases, dep, stage, self.num_stages)
+
+    # --- DiT batches ------------------------------------------------------------------------
+    def ready_units(self, streams: Iterable[Stream], rank: int) -> list[ReadyUnit]:
+        """The next unit of every chunk that can run now on `rank` (stage g on g % ranks)."""
+        ready = []
+        for stream in streams:
+            if not stream.live:
+                continue
+            tokens = stream.config.tokens_per_frame
+            for chunk in stream.chunks.values():
+                if chunk.in_flight:
+                    continue
+                nxt = chunk.next_unit(self.num_stages)
+                if nxt is None:
+                    continue
+                phase, stage = nxt
+                if stage % self.num_ranks != rank or not self.context_ready(
+                    stream, chunk.index, phase, stage
+                ):
+                    continue
+                unit = WorkUnit(stream.id, chunk.index, phase, stage)
+                deadline = stream.deadline(max(chunk.index, 0))
+                ready.append(
+                    ReadyUnit(
+                        unit, stream.priority, deadline, chunk.num_frames * tokens, (stage, chunk.num_frames)
+                    )
+                )
+        return ready
 
     def next_batch(self, ready: list[ReadyUnit]) -> list[ReadyUnit]:
         if not ready:
@@ -69,3 +173,27 @@ class Scheduler:
                 batch.append(r)
                 tokens += r.tokens
         return batch
+
+    # --- decoding ---------------------------------------------------------------------------
+    def next_decode_batch(self, streams: Iterable[Stream]) -> list[tuple[Stream, ChunkState]]:
+        """Chunks to decode together (in order within a stream: only its next chunk)."""
+        candidates = []
+        for stream in streams:
+            if not stream.live:
+                continue
+            chunk = stream.chunks.get(stream.next_decode)
+            if chunk is not None and chunk.denoised and not chunk.decoding:
+                candidates.append(
+                    (stream.priority, stream.deadline(max(chunk.index, 0)), stream.id, stream, chunk)
+                )
+        if not candidates:
+            return []
+        candidates.sort(key=lambda c: c[:3])
+        _, _, _, head, head_chunk = candidates[0]
+        key = (head.priority, head.decoder_signature, head_chunk.num_frames)
+        picked = [
+            (stream, chunk)
+            for prio, _, _, stream, chunk in candidates
+            if (prio, stream.decoder_signature, chunk.num_frames) == key
+        ]
+        return picked[: self.max_decode_batch]

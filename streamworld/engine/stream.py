@@ -1,4 +1,11 @@
-"""Per-stream state: the request, its playback clock, its actions, its chunks in flight."""
+"""Stream and chunk state as metadata: the request, the playback clock, the actions, which
+units of each chunk are done. No tensors live here (the runner holds them, runner.py), so
+the scheduler decides over plain Python.
+
+A stream's life: waiting (queued for K/V pages) -> running -> completed | cancelled | error.
+A chunk's: started (units run in their linear order, kv_modes.py) -> denoised -> decoding ->
+decoded -> retired (dropped once both are done).
+"""
 
 from __future__ import annotations
 
@@ -9,24 +16,25 @@ from typing import Any
 
 import numpy as np
 
-from ..models.actions import latent_action_window
 from ..models.config import ModelConfig
+from ..models.frames import actions_needed, latent_action_window
+from .kv_modes import COMMIT, PREFILL, PREFILL_CHUNK
 from .kv_pool import PageTable
-
-PRIORITY_CLASSES = {"interactive": 0, "standard": 1, "batch": 2}
-ACTION_POLICIES = ("hold", "wait")
+from .request import StreamRequest
 
 
-@dataclass
-class StreamRequest:
-    seed: int
-    num_chunks: int | None = None  # None: until cancelled
-    prompt: str = ""
-    image: np.ndarray | None = None  # [H, W, 3] uint8, frame 0 of image-to-world models
-    actions: np.ndarray | None = None  # [N, action_dim] from video frame 0
-    kv_mode: str | None = None
-    priority: str = "standard"
-    action_policy: str = "hold"
+@dataclass(frozen=True)
+class WorkUnit:
+    """`(stream, chunk, phase, stage)`: one stage's blocks for one phase of one chunk."""
+
+    stream: int
+    chunk: int
+    phase: int  # a denoising step k >= 0, COMMIT or PREFILL
+    stage: int
+
+    def __str__(self) -> str:
+        phase = {COMMIT: "commit", PREFILL: "prefill"}.get(self.phase, f"step{self.phase}")
+        return f"s{self.stream}/c{self.chunk}/{phase}/g{self.stage}"
 
 
 class ActionTrack:
@@ -34,7 +42,7 @@ class ActionTrack:
 
     `push` without a frame appends after the last known action; with a frame, the vectors
     apply from that frame on and replace whatever was queued from there. `hold` fills frames
-    past the known ones with the last action (zeros before any).
+    past the known ones with the last action (zeros before any): the `hold` action policy.
     """
 
     def __init__(self, action_dim: int) -> None:
@@ -79,27 +87,26 @@ class ActionTrack:
             self.base += drop
 
 
-def actions_needed(first_latent_frame: int, num_latent_frames: int, temporal_ratio: int) -> int:
-    """Video frames whose actions a chunk needs (the stop of its action window)."""
-    return latent_action_window(first_latent_frame + num_latent_frames - 1, temporal_ratio)[1]
+def hold_actions(actions: np.ndarray | None, num_frames: int, action_dim: int) -> np.ndarray:
+    """The `hold` policy over a whole request: `num_frames` actions, the given ones first."""
+    track = ActionTrack(action_dim)
+    if actions is not None and len(actions):
+        track.push(actions)
+    return track.hold(0, num_frames)
 
 
 @dataclass
 class ChunkState:
-    index: int  # -1 is the first-image prefill
+    index: int  # PREFILL_CHUNK (-1) is the first-image prefill
     first_frame: int  # first latent frame
     num_frames: int  # latent frames
     phases: list[int]
-    text: Any  # CrossKV captured when the chunk starts
-    latent_actions: Any = None
+    # The actions of video frames [action_offset, action_offset + len) that condition the
+    # chunk's latent frames (None for models without actions); fixed when the chunk starts.
+    actions: np.ndarray | None = None
+    action_offset: int = 0
     progress: int = 0  # units done, in the chunk's linear order
     in_flight: bool = False
-    x_t: Any = None  # current step's input latents
-    x0: Any = None  # latest clean estimate
-    # With overlapped dispatch: a CUDA event that completes when the last unit's kernels have
-    # run (x0 and x_t are valid on other streams and on the host only after it).
-    ready: Any = None
-    activation: Any = None  # StageActivation row between stages
     denoised: bool = False
     decoding: bool = False
     decoded: bool = False
@@ -112,9 +119,16 @@ class ChunkState:
         return len(self.phases) * num_stages
 
     def next_unit(self, num_stages: int) -> tuple[int, int] | None:
+        """(phase, stage) of the next unit to run, None when all have run."""
         if self.progress >= self.total_units(num_stages):
             return None
         return self.phases[self.progress // num_stages], self.progress % num_stages
+
+    def begun(self) -> bool:
+        return self.progress > 0 or self.in_flight
+
+    def retirable(self, num_stages: int) -> bool:
+        return self.decoded and self.progress >= self.total_units(num_stages)
 
 
 @dataclass
@@ -142,18 +156,18 @@ class Stream:
     actions: ActionTrack
     output: asyncio.Queue
     prompt: str = ""
-    text: Any = None  # CrossKV of `prompt`, None while encoding
+    text_ready: bool = False  # `prompt` is encoded (runner.py holds its K/V)
     status: str = "waiting"  # waiting, running, completed, cancelled, error
     error: str | None = None
     started_at: float | None = None
     page_table: PageTable | None = None
-    decoder: Any = None
+    decoder_signature: tuple | None = None  # streams with equal ones decode in one batch
     chunks: dict[int, ChunkState] = field(default_factory=dict)
     next_chunk: int = 0  # next chunk index to start
     next_decode: int = 0  # next chunk index to decode (decoding is in order)
     delivered: int = 0
-    prefill_pending: bool = False
-    image_latent: Any = None  # [C, 1, h, w] once the first image is encoded
+    prefill_pending: bool = False  # the first image's chunk is still to start
+    image_ready: bool = False  # the first image is encoded
     stopping: bool = False  # `stop` asked: finish the started chunks, then end
     prompt_encoding: bool = False  # an encoding of some prompt is in flight
     est_latency: float | None = None  # EMA of this stream's chunk latency (first unit -> frames)
@@ -194,6 +208,68 @@ class Stream:
     def finished_generating(self) -> bool:
         n = self.request.num_chunks
         return n is not None and self.delivered >= n
+
+    def next_chunk_actions_known(self) -> bool:
+        """Are the actions of every frame of the next chunk known (the `wait` policy)?"""
+        cfg = self.config
+        first = self.chunk_first_frame(self.next_chunk)
+        return self.actions.known >= actions_needed(first, cfg.latent_frames_per_chunk, cfg.temporal_ratio)
+
+    # --- transitions ----------------------------------------------------------------------
+    def admit(self, page_table: PageTable, decoder_signature: tuple, now: float) -> None:
+        self.page_table = page_table
+        self.decoder_signature = decoder_signature
+        self.status = "running"
+        self.started_at = now
+        if self.request.image is not None:
+            self.prefill_pending = True
+            self.next_decode = PREFILL_CHUNK
+
+    def start_prefill(self, now: float) -> ChunkState:
+        """The first image's chunk: its latent is the encoded image, so it starts denoised."""
+        actions = np.zeros((0, self.config.action_dim), np.float32) if self.config.action_dim else None
+        chunk = ChunkState(PREFILL_CHUNK, 0, 1, [PREFILL], actions, eligible_at=now, denoised=True)
+        self.chunks[PREFILL_CHUNK] = chunk
+        self.prefill_pending = False
+        return chunk
+
+    def start_chunk(self, phases: list[int], now: float) -> ChunkState:
+        """Starts the next chunk, fixing its actions (the `hold` rule past the known ones)."""
+        cfg = self.config
+        c, f, r = self.next_chunk, cfg.latent_frames_per_chunk, cfg.temporal_ratio
+        first = self.chunk_first_frame(c)
+        actions, offset = None, 0
+        if cfg.action_dim:
+            offset = latent_action_window(first, r)[0]
+            actions = self.actions.hold(offset, actions_needed(first, f, r))
+            self.actions.forget_before(latent_action_window(first + f, r)[0])
+        chunk = ChunkState(c, first, f, phases, actions, offset, eligible_at=now)
+        self.chunks[c] = chunk
+        self.next_chunk += 1
+        return chunk
+
+    def stop_after_begun(self) -> list[int]:
+        """`stop`: the chunks begun finish, the others are dropped; returns the dropped ones.
+        (A chunk starts only after its predecessor has begun, so the begun ones are a prefix.)"""
+        begun = [c for c, ch in self.chunks.items() if c >= 0 and ch.begun()]
+        keep = max(begun) + 1 if begun else self.delivered
+        dropped = [c for c in self.chunks if c >= keep]
+        for c in dropped:
+            del self.chunks[c]
+        self.next_chunk = min(self.next_chunk, keep)
+        self.request.num_chunks = keep
+        self.stopping = True
+        return dropped
+
+    def set_paused(self, paused: bool, now: float) -> bool:
+        """Pauses or resumes the playback clock; True when it resumed."""
+        if paused and self.paused_since is None:
+            self.paused_since = now
+        elif not paused and self.paused_since is not None:
+            self.paused_s += now - self.paused_since
+            self.paused_since = None
+            return True
+        return False
 
 
 def chunk_duration_s(config: ModelConfig) -> float:

@@ -27,12 +27,7 @@ import math
 import torch
 from torch import nn
 
-
-def latent_action_window(latent_frame: int, temporal_ratio: int) -> tuple[int, int]:
-    """Video-frame range [start, stop) of the actions that condition a latent frame."""
-    if latent_frame == 0:
-        return (0, 0)
-    return (temporal_ratio * (latent_frame - 1), temporal_ratio * latent_frame)
+from .frames import latent_action_window
 
 
 def gather_latent_actions(

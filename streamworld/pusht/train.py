@@ -41,8 +41,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from ..engine import context_frame_indices
 from ..models.config import ModelConfig
-from ..models.kv import context_frame_indices
 from ..models.pixels import frames_to_latents
 from ..models.world_model import WorldModel, resolve_device
 from .data import Dataset, DatasetSpec, generate_dataset

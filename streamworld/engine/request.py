@@ -1,0 +1,89 @@
+"""What a caller asks of the engine: a stream request, its priority class and action
+policy, the admission errors, and the one validation that the engine and the reference
+generator share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..models.config import ModelConfig
+
+PRIORITY_CLASSES = {"interactive": 0, "standard": 1, "batch": 2}
+# hold: frames past the known actions repeat the last one; wait: a chunk starts only once
+# the actions of all its frames are known.
+ACTION_POLICIES = ("hold", "wait")
+
+
+class Overloaded(RuntimeError):
+    """The admission queue is full."""
+
+
+class Unsupported(ValueError):
+    """The request can never be served here (e.g. its K/V never fits the pool)."""
+
+
+class StreamError(RuntimeError):
+    """The stream ended with an error."""
+
+
+@dataclass
+class StreamRequest:
+    seed: int
+    num_chunks: int | None = None  # None: until cancelled
+    prompt: str = ""
+    image: np.ndarray | None = None  # [H, W, 3] uint8, frame 0 of image-to-world models
+    actions: np.ndarray | None = None  # [N, action_dim] from video frame 0
+    kv_mode: str | None = None
+    priority: str = "standard"
+    action_policy: str = "hold"
+
+
+def validate(
+    config: ModelConfig,
+    *,
+    num_chunks: int | None,
+    image: np.ndarray | None,
+    actions: np.ndarray | None,
+    kv_mode: str | None,
+    priority: str = "standard",
+    action_policy: str = "hold",
+) -> str:
+    """Checks a request against the model (ValueError with the reason); returns the KV mode
+    to use. `num_chunks` None means an unbounded stream."""
+    kv_mode = kv_mode or config.default_kv_mode
+    if kv_mode not in config.kv_modes:
+        raise ValueError(
+            f"kv_mode {kv_mode!r} is not supported by {config.id}; use one of {list(config.kv_modes)}"
+        )
+    if num_chunks is not None and num_chunks < 1:
+        raise ValueError("num_chunks must be at least 1")
+    if config.needs_image and image is None:
+        raise ValueError(f"model {config.id} needs a first image")
+    if not config.needs_image and image is not None:
+        raise ValueError(f"model {config.id} takes no image")
+    if image is not None and image.shape != (config.height, config.width, 3):
+        raise ValueError(f"image must be {config.height}x{config.width} RGB, got shape {tuple(image.shape)}")
+    if actions is not None:
+        if config.action_dim == 0:
+            raise ValueError(f"model {config.id} takes no actions")
+        if np.asarray(actions).ndim != 2 or np.asarray(actions).shape[1] != config.action_dim:
+            raise ValueError(f"actions must be a list of vectors of length {config.action_dim}")
+    if priority not in PRIORITY_CLASSES:
+        raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)}")
+    if action_policy not in ACTION_POLICIES:
+        raise ValueError(f"action_policy must be one of {list(ACTION_POLICIES)}")
+    return kv_mode
+
+
+def validate_stream_request(config: ModelConfig, request: StreamRequest) -> str:
+    return validate(
+        config,
+        num_chunks=request.num_chunks,
+        image=request.image,
+        actions=request.actions,
+        kv_mode=request.kv_mode,
+        priority=request.priority,
+        action_policy=request.action_policy,
+    )

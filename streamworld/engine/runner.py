@@ -1,0 +1,321 @@
+"""The model runner: all work that runs on executor threads, and every tensor the engine
+holds between units.
+
+The event loop (engine.py) decides what runs and keeps only metadata (stream.py); the
+runner holds, per stream, the prompt's K/V, the first image's latent and the causal
+decoder state, and per chunk its inputs and intermediate results (the current step's
+latents, the clean estimate, the activation between stages). The methods marked
+*executor* run on an executor thread; the others only move references on the loop and
+start no tensor work. Whatever a stream held is dropped when it ends.
+
+    prep executor     encode_prompt, encode_image
+    rank executors    execute: a batch of DiT units of one stage (embed, blocks, head,
+                      flow -> x0), re-run unit by unit when the batch fails
+    decode executor   decode: a batch of chunks through the VAE with per-stream state,
+                      chunk by chunk when the batch fails
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..models.actions import gather_latent_actions
+from ..models.causal_wan import ChunkInput, StageActivation
+from ..models.transfer import to_device
+from ..models.vae import image_from_uint8, to_uint8
+from ..models.world_model import WorldModel
+from .kv_cache import KVCache, PagedKVView
+from .kv_pool import Stage
+from .stream import ChunkState, WorkUnit
+
+log = logging.getLogger("streamworld.engine")
+
+
+@dataclass
+class ChunkTensors:
+    """One chunk's tensors: its inputs, fixed when it starts, and its latest results."""
+
+    text: Any  # CrossKV of the prompt when the chunk started
+    actions: np.ndarray | None  # per-video-frame actions (ChunkState.actions)
+    action_offset: int
+    latent_actions: torch.Tensor | None = None  # [F, r * action_dim] on the host, made on first use
+    x_t: torch.Tensor | None = None  # current step's input latents
+    x0: torch.Tensor | None = None  # latest clean estimate
+    activation: StageActivation | None = None  # the row between stages
+    # With overlapped dispatch: a CUDA event that completes when the last unit's kernels have
+    # run (x0 and x_t are valid on other streams and on the host only after it).
+    ready: Any = None
+
+
+@dataclass
+class StreamTensors:
+    seed: int
+    decoder: Any  # the VAE's causal DecoderState
+    prompt: str | None = None  # the prompt whose encoding is wanted
+    text: Any = None  # CrossKV of the last prompt encoded
+    image_latent: torch.Tensor | None = None  # [C, 1, h, w]
+    chunks: dict[int, ChunkTensors] = field(default_factory=dict)
+
+
+@dataclass
+class Work:
+    """One unit of a batch, with all the executor needs."""
+
+    unit: WorkUnit
+    seed: int
+    first_frame: int
+    num_frames: int
+    chunk: ChunkTensors
+    view: PagedKVView
+
+
+@dataclass
+class UnitResult:
+    ok: bool
+    error: str | None = None
+
+
+@dataclass
+class DecodeJob:
+    """Captured on the loop when a decode batch launches: the stream may end meanwhile."""
+
+    x0s: list[torch.Tensor]
+    states: list[Any]
+    events: list[Any]  # CUDA events the DiT recorded for these latents (overlapped dispatch)
+
+
+@dataclass
+class Decoded:
+    frames: np.ndarray  # [T, H, W, 3] uint8
+    latents: torch.Tensor  # [C, F, h, w] float32 on the host
+    signature: tuple  # the decoder state's after this chunk
+
+
+class ModelRunner:
+    def __init__(
+        self, model: WorldModel, stages: list[Stage], cache: KVCache, overlap: bool, fault_hook: Any = None
+    ) -> None:
+        self.model = model
+        self.stages = stages
+        self.cache = cache
+        # Checking for non-finite values waits for the GPU; overlapped dispatch checks at decode.
+        self.overlap = overlap
+        self.fault_hook = fault_hook
+        self.streams: dict[int, StreamTensors] = {}
+
+    # --- loop side: references only -----------------------------------------------------------
+    def open_stream(self, stream_id: int, seed: int) -> tuple:
+        """Makes the stream's state; returns its decoder signature."""
+        state = StreamTensors(seed, self.model.vae.new_decoder_state())
+        self.streams[stream_id] = state
+        return state.decoder.signature()
+
+    def close_stream(self, stream_id: int) -> None:
+        # A decode in flight keeps its own references (DecodeJob): nothing is reset under it.
+        self.streams.pop(stream_id, None)
+
+    def want_prompt(self, stream_id: int, prompt: str) -> None:
+        self.streams[stream_id].prompt = prompt
+
+    def begin_chunk(self, stream_id: int, chunk: ChunkState) -> None:
+        """The chunk's inputs: the prompt encoded now, its actions, and for the first image's
+        chunk the image's latent as its (already clean) result."""
+        state = self.streams[stream_id]
+        tensors = ChunkTensors(state.text, chunk.actions, chunk.action_offset)
+        if chunk.denoised:
+            tensors.x0 = state.image_latent
+        state.chunks[chunk.index] = tensors
+
+    def drop_chunk(self, stream_id: int, index: int) -> None:
+        state = self.streams.get(stream_id)
+        if state is not None:
+            state.chunks.pop(index, None)
+
+    def work(self, unit: WorkUnit, chunk: ChunkState, read: list[int], writes: list[list[int]]) -> Work:
+        """A unit with its K/V view over the given pages (`writes`: per written version)."""
+        cfg, stage = self.model.config, self.stages[unit.stage]
+        first = chunk.first_frame
+        view = PagedKVView(
+            self.cache, stage, read, writes, cfg.tokens_per_frame, first, min(cfg.sink_frames, first)
+        )
+        state = self.streams[unit.stream]
+        return Work(unit, state.seed, first, chunk.num_frames, state.chunks[chunk.index], view)
+
+    def decode_job(self, picked: list[tuple[int, int]]) -> DecodeJob:
+        """(stream id, chunk index) pairs -> what their decode needs."""
+        chunks = [self.streams[sid].chunks[c] for sid, c in picked]
+        events = list({id(t.ready): t.ready for t in chunks if t.ready is not None}.values())
+        return DecodeJob([t.x0 for t in chunks], [self.streams[sid].decoder for sid, _ in picked], events)
+
+    # --- executor: prompts and first images ---------------------------------------------------
+    def encode_prompt(self, stream_id: int, prompt: str) -> None:
+        """*executor* Encodes `prompt`; keeps it if it is still the stream's wanted prompt."""
+        text = self.model.text_context(prompt)
+        state = self.streams.get(stream_id)
+        if state is not None and state.prompt == prompt:
+            state.text = text
+
+    def encode_image(self, stream_id: int, image: np.ndarray) -> None:
+        """*executor* The first image's latent [C, 1, h, w]."""
+        model = self.model
+        pixels = image_from_uint8(image).to(model.device, model.dtype)
+        latent = model.vae.encode_image(pixels)[0].float()
+        state = self.streams.get(stream_id)
+        if state is not None:
+            state.image_latent = latent
+
+    # --- executor: DiT batches ----------------------------------------------------------------
+    def execute(self, stage: Stage, works: list[Work]) -> list[UnitResult]:
+        """*executor* Runs one batch; on failure, each unit alone."""
+        try:
+            return self._execute_batch(stage, works)
+        except Exception as e:
+            if len(works) == 1:
+                log.warning("unit %s failed", works[0].unit, exc_info=True)
+                return [UnitResult(False, f"{type(e).__name__}: {e}")]
+        results = []
+        for w in works:
+            try:
+                results.extend(self._execute_batch(stage, [w]))
+            except Exception as e:
+                log.warning("unit %s failed", w.unit, exc_info=True)
+                results.append(UnitResult(False, f"{type(e).__name__}: {e}"))
+        return results
+
+    def _execute_batch(self, stage: Stage, works: list[Work]) -> list[UnitResult]:
+        model = self.model
+        inputs, x_ts = [], []
+        for w in works:
+            if self.fault_hook is not None:
+                self.fault_hook(w.unit)
+            chunk_input = self._input(stage, w)
+            inputs.append(chunk_input)
+            x_ts.append(chunk_input.latents)
+        if stage.index == 0:
+            act = model.dit.embed(inputs)
+        else:
+            rows = [w.chunk.activation for w in works]
+            act = StageActivation(
+                torch.cat([r.hidden for r in rows]),
+                torch.cat([r.modulation for r in rows]),
+                torch.cat([r.temb for r in rows]),
+                rows[0].num_frames,
+            )
+        act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
+        if stage.index == len(self.stages) - 1:
+            outputs = self._head(act, works, x_ts)
+        else:
+            outputs = self._rows(act, x_ts)
+        ready = None
+        if self.overlap and model.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()  # on the rank's stream, after every kernel of this batch
+        # Results are kept only once the whole batch has run: a failed batch leaves no trace.
+        results = []
+        for w, (ok, error, x_t, x0, activation) in zip(works, outputs, strict=True):
+            if ok:
+                if w.unit.stage == 0 and w.unit.phase >= 0:
+                    w.chunk.x_t = x_t
+                w.chunk.activation = activation
+                w.chunk.ready = ready
+                if x0 is not None:
+                    w.chunk.x0 = x0
+            results.append(UnitResult(ok, error))
+        return results
+
+    def _input(self, stage: Stage, w: Work) -> ChunkInput:
+        """The unit's DiT input: the step's noised latents (stage 0) or the chunk's current
+        ones, its timesteps, prompt, K/V view and actions."""
+        model, sched = self.model, self.model.schedule
+        phase, chunk = w.unit.phase, w.chunk
+        if phase >= 0:
+            t = sched.timesteps[phase]
+            if stage.index == 0:
+                shape = model.latent_shape(w.num_frames)
+                x_t = sched.step_input(w.seed, w.unit.chunk, phase, chunk.x0, shape, model.device)
+            else:
+                x_t = chunk.x_t
+        else:
+            t, x_t = model.config.context_timestep, chunk.x0
+        timesteps = torch.full((w.num_frames,), t, device=model.device)
+        la = self._latent_actions(w)
+        la = None if la is None else to_device(la, model.device)
+        return ChunkInput(x_t, timesteps, chunk.text, w.view, la)
+
+    def _latent_actions(self, w: Work) -> torch.Tensor | None:
+        chunk = w.chunk
+        if chunk.actions is None:
+            return None
+        if chunk.latent_actions is None:
+            r = self.model.config.temporal_ratio
+            chunk.latent_actions = gather_latent_actions(
+                torch.from_numpy(chunk.actions), w.first_frame, w.num_frames, r, offset=chunk.action_offset
+            )
+        return chunk.latent_actions
+
+    def _head(self, act: StageActivation, works: list[Work], x_ts: list) -> list[tuple]:
+        """Last stage: flow -> clean estimate per unit (the commit pass keeps its x0)."""
+        sched = self.model.schedule
+        flow = self.model.dit.head(act)
+        out = []
+        for i, w in enumerate(works):
+            x0 = sched.x0_from_flow(x_ts[i], flow[i], w.unit.phase) if w.unit.phase >= 0 else w.chunk.x0
+            ok = self.overlap or bool(torch.isfinite(x0).all())
+            out.append((ok, None if ok else "non-finite values in the model output", x_ts[i], x0, None))
+        return out
+
+    def _rows(self, act: StageActivation, x_ts: list) -> list[tuple]:
+        """Other stages: each unit's row of the activation, for the next stage."""
+        out = []
+        for i in range(len(x_ts)):
+            row = StageActivation(
+                act.hidden[i : i + 1], act.modulation[i : i + 1], act.temb[i : i + 1], act.num_frames
+            )
+            ok = self.overlap or bool(torch.isfinite(row.hidden).all())
+            out.append((ok, None if ok else "non-finite activations", x_ts[i], None, row))
+        return out
+
+    # --- executor: decoding -------------------------------------------------------------------
+    def decode(self, job: DecodeJob) -> tuple[list[Decoded | BaseException], float]:
+        """*executor* Decodes a batch of chunks; one result or error per chunk, and seconds."""
+        start = time.perf_counter()
+        for event in job.events:  # the DiT's kernels for these latents have run
+            torch.cuda.current_stream().wait_event(event)
+        x0s, states = job.x0s, job.states
+        results: list = [None] * len(x0s)
+        todo = list(range(len(x0s)))
+        if self.overlap:
+            finite = torch.stack([torch.isfinite(x).all() for x in x0s]).tolist()
+            for i in [i for i in todo if not finite[i]]:
+                results[i] = ValueError("non-finite values in the model output")
+            todo = [i for i in todo if finite[i]]
+        latents = [x0s[i].unsqueeze(0).to(self.model.dtype) for i in todo]
+        videos = self._decode_videos(latents, [states[i] for i in todo]) if todo else []
+        for i, v in zip(todo, videos, strict=True):
+            if isinstance(v, BaseException):
+                results[i] = v
+            else:
+                results[i] = Decoded(to_uint8(v)[0], x0s[i].float().cpu(), states[i].signature())
+        return results, time.perf_counter() - start
+
+    def _decode_videos(self, latents: list[torch.Tensor], states: list[Any]) -> list:
+        vae = self.model.vae
+        try:
+            return vae.decode_chunks(latents, states)
+        except Exception:
+            if len(latents) == 1:
+                raise
+        # One bad stream must not end the others: decode each alone.
+        videos: list = []
+        for x, state in zip(latents, states, strict=True):
+            try:
+                videos.append(vae.decode_chunk(x, state))
+            except Exception as e:
+                videos.append(e)
+        return videos

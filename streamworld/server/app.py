@@ -1,6 +1,6 @@
 """The aiohttp application: one port serves the demo, health, metrics, models and streams.
 
-    GET /            the browser demo (files from streamworld/web/)
+    GET /            the browser demo (files from web/, installed as streamworld.web)
     GET /healthz     200 {"status": "ok", ...} while the engines take work, 503 when shutting down
     GET /metrics     Prometheus text format
     GET /v1/models   served models and their properties
@@ -13,6 +13,7 @@ Engines start in `on_startup` and stop in `on_cleanup`; `on_shutdown` (SIGINT/SI
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,17 @@ from .session import Session, SessionContext
 
 log = logging.getLogger("streamworld.server")
 
-# The browser demo ships inside the package, so every install (not only an editable one) has it.
-WEB_ROOT = Path(__file__).resolve().parents[1] / "web"
+
+def find_web_root() -> Path:
+    """The browser demo's directory: the package data of `streamworld.web`, which pyproject.toml
+    maps to the top-level web/, so every install (not only an editable one) has it."""
+    spec = importlib.util.find_spec("streamworld.web")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[2] / "web"  # run from a checkout that was never installed
+
+
+WEB_ROOT = find_web_root()
 
 
 class StreamWorldServer:

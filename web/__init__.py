@@ -1,0 +1,1 @@
+"""The browser demo: static files, installed with the package as `streamworld.web` (see pyproject.toml)."""

@@ -28,13 +28,12 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..models.world_model import WorldModel
 from .config import EngineConfig
 from .executor import Executor
 from .handle import StreamHandle
-from .kv_cache import KVCache
+from .kv_cache import KVCache, default_pages
 from .kv_modes import PREFILL, PREFILL_CHUNK, num_kv_versions, unit_kv_access
 from .kv_pool import KVPagePool, PageTable, Stage, pages_needed, split_stages
 from .request import PRIORITY_CLASSES, Overloaded, StreamRequest, Unsupported, validate_stream_request
@@ -62,7 +61,12 @@ class AsyncEngine:
         cfg = model.config
         self.stages: list[Stage] = split_stages(cfg.num_layers, self.config.num_stages)
         self.num_steps = model.schedule.num_steps
-        pages = self.config.kv_pages if self.config.kv_pages is not None else self._default_pages()
+        pages = self.config.kv_pages
+        if pages is None:
+            worst = pages_needed(
+                self.num_steps, cfg.sink_frames, cfg.window_frames, cfg.latent_frames_per_chunk
+            )
+            pages = default_pages(model, worst * self.config.max_streams, self.config.kv_memory_fraction)
         self.pool = KVPagePool(len(self.stages), pages)
         cache = KVCache(
             self.stages,
@@ -116,21 +120,6 @@ class AsyncEngine:
         self._config = config
         if hasattr(self, "runner"):
             self.runner.fault_hook = config.fault_hook
-
-    def _default_pages(self) -> int:
-        cfg, model = self.model.config, self.model
-        worst = pages_needed(self.num_steps, cfg.sink_frames, cfg.window_frames, cfg.latent_frames_per_chunk)
-        pages = worst * self.config.max_streams
-        if model.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(model.device)
-            # Memory PyTorch's allocator holds but does not use is free for the pool too
-            # (an engine closed earlier in this process leaves its pool there).
-            free += torch.cuda.memory_reserved(model.device) - torch.cuda.memory_allocated(model.device)
-            element = torch.empty((), dtype=model.dtype).element_size()
-            # A page in every stage: K and V of one frame for all blocks.
-            page_bytes = 2 * cfg.num_layers * cfg.tokens_per_frame * model.dit.dim * element
-            pages = min(pages, int(self.config.kv_memory_fraction * free) // page_bytes)
-        return max(pages, 1)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -203,25 +192,7 @@ class AsyncEngine:
             return 0
 
     def push_actions(self, stream_id: int, actions: np.ndarray, frame: int | None = None) -> None:
-        stream = self._get(stream_id)
-        cfg = self.model.config
-        arr = np.asarray(actions, dtype=np.float32)
-        if cfg.action_dim == 0:
-            raise ValueError(f"model {cfg.id} takes no actions")
-        if arr.ndim != 2 or arr.shape[1] != cfg.action_dim or not np.isfinite(arr).all():
-            raise ValueError(f"actions must be a list of finite vectors of length {cfg.action_dim}")
-        if frame is not None and frame < 0:
-            raise ValueError("frame must be >= 0")
-        # The queue of future actions is bounded: a bad `frame` cannot make it huge.
-        start = stream.actions.known if frame is None else frame
-        horizon = stream.actions.base + self.config.max_actions_ahead
-        if start + len(arr) > horizon:
-            raise ValueError(
-                f"actions may reach at most {self.config.max_actions_ahead} frames past the oldest frame "
-                f"still to be generated (frame {stream.actions.base}); "
-                f"these reach frame {start + len(arr) - 1}"
-            )
-        stream.actions.push(arr, frame)
+        self._get(stream_id).push_actions(actions, frame, self.config.max_actions_ahead)
         self._poke()
 
     def set_prompt(self, stream_id: int, prompt: str) -> None:
@@ -490,15 +461,7 @@ class AsyncEngine:
 
     def _deliver(self, stream: Stream, chunk: ChunkState, decoded: Decoded, now: float) -> None:
         missed = now > stream.deadline(chunk.index)
-        first = chunk.first_unit_at or now
-        ms = 1000.0
-        timings = {
-            "queued": (first - chunk.eligible_at) * ms,
-            "dit": ((chunk.denoised_at or now) - first) * ms,
-            "decode": chunk.decode_s * ms,
-            "encode": 0.0,
-            "total": (now - first) * ms,
-        }
+        timings = chunk.timings(now)
         start = stream.chunk_video_start(chunk.index)
         stream.output.put_nowait(
             ChunkOutput(chunk.index, start, decoded.frames, decoded.latents, timings, missed)
@@ -507,7 +470,7 @@ class AsyncEngine:
         self.stats.record_delivery(decoded.frames.shape[0], missed)
         if chunk.index == 0 and stream.started_at is not None:
             self.stats.ttff_s.append(now - stream.started_at)
-        latency = now - first
+        latency = now - (chunk.first_unit_at or now)
         self.est_latency = ema(self.est_latency, latency)
         stream.est_latency = ema(stream.est_latency, latency)
         self._maybe_complete(stream)

@@ -13,7 +13,24 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.transfer import tensor_on
+from ..models.world_model import WorldModel
 from .kv_pool import Stage
+
+
+def default_pages(model: WorldModel, wanted: int, memory_fraction: float) -> int:
+    """Pages per stage: `wanted`, capped on a GPU at `memory_fraction` of its free memory."""
+    pages = wanted
+    if model.device.type == "cuda":
+        cfg = model.config
+        free, _ = torch.cuda.mem_get_info(model.device)
+        # Memory PyTorch's allocator holds but does not use is free for the pool too
+        # (an engine closed earlier in this process leaves its pool there).
+        free += torch.cuda.memory_reserved(model.device) - torch.cuda.memory_allocated(model.device)
+        element = torch.empty((), dtype=model.dtype).element_size()
+        # A page in every stage: K and V of one frame for all blocks.
+        page_bytes = 2 * cfg.num_layers * cfg.tokens_per_frame * model.dit.dim * element
+        pages = min(pages, int(memory_fraction * free) // page_bytes)
+    return max(pages, 1)
 
 
 class KVCache:

@@ -124,6 +124,17 @@ class ChunkState:
             return None
         return self.phases[self.progress // num_stages], self.progress % num_stages
 
+    def timings(self, now: float) -> dict[str, float]:
+        """Milliseconds the chunk spent queued, in the DiT, decoding, and in all (delivery at `now`)."""
+        first = self.first_unit_at or now
+        return {
+            "queued": (first - self.eligible_at) * 1000.0,
+            "dit": ((self.denoised_at or now) - first) * 1000.0,
+            "decode": self.decode_s * 1000.0,
+            "encode": 0.0,
+            "total": (now - first) * 1000.0,
+        }
+
     def begun(self) -> bool:
         return self.progress > 0 or self.in_flight
 
@@ -208,6 +219,27 @@ class Stream:
     def finished_generating(self) -> bool:
         n = self.request.num_chunks
         return n is not None and self.delivered >= n
+
+    def push_actions(self, actions: np.ndarray, frame: int | None, max_ahead: int) -> None:
+        """Queues actions from `frame` on (after the known ones when None); ValueError when
+        they are malformed or reach more than `max_ahead` frames past the oldest frame still
+        to be generated (so a bad `frame` cannot make the queue huge)."""
+        cfg = self.config
+        arr = np.asarray(actions, dtype=np.float32)
+        if cfg.action_dim == 0:
+            raise ValueError(f"model {cfg.id} takes no actions")
+        if arr.ndim != 2 or arr.shape[1] != cfg.action_dim or not np.isfinite(arr).all():
+            raise ValueError(f"actions must be a list of finite vectors of length {cfg.action_dim}")
+        if frame is not None and frame < 0:
+            raise ValueError("frame must be >= 0")
+        start = self.actions.known if frame is None else frame
+        if start + len(arr) > self.actions.base + max_ahead:
+            raise ValueError(
+                f"actions may reach at most {max_ahead} frames past the oldest frame "
+                f"still to be generated (frame {self.actions.base}); "
+                f"these reach frame {start + len(arr) - 1}"
+            )
+        self.actions.push(arr, frame)
 
     def next_chunk_actions_known(self) -> bool:
         """Are the actions of every frame of the next chunk known (the `wait` policy)?"""

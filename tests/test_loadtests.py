@@ -11,15 +11,10 @@ from pathlib import Path
 import pytest
 
 from loadtests import run
-from streamworld.engine import PRIORITY_CLASSES
-from streamworld.engine.engine import EngineConfig
+from streamworld.engine import PRIORITY_CLASSES, EngineConfig
+from streamworld.media import FORMATS as SERVER_FORMATS
 from tests.test_pusht import pusht, pusht_server  # noqa: F401 (fixtures)
 from tests.test_server import models, start_server  # noqa: F401 (fixture)
-
-try:
-    from streamworld.media import FORMATS as SERVER_FORMATS
-except ImportError:  # the media module's home before it moved out of the server package
-    from streamworld.server.media import FORMATS as SERVER_FORMATS
 
 ROOT = Path(__file__).resolve().parents[1]
 

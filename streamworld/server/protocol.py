@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..engine import ACTION_POLICIES, PRIORITY_CLASSES, ChunkOutput
+from ..media import FORMATS
 from ..models.config import ModelConfig
-from .media import FORMATS
 
 PRIORITIES = tuple(PRIORITY_CLASSES)
 MAX_IMAGE_PIXELS = 4096 * 4096

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import WSMsgType, web
 
 from ..engine import ChunkOutput, Overloaded, StreamError, StreamHandle, StreamRequest, Unsupported
+from ..media import make_encoder
 from ..models.config import ModelConfig
 from . import protocol
 from .config import ServedModel, SessionLimits
-from .media import make_encoder
 from .metrics import Metrics, SessionMetrics
 from .pacing import CLIENT_GONE, ClientTooSlow, Pacing, Sender
 from .protocol import (

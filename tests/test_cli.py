@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from streamworld.cli import main
-from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+from streamworld.engine import GenerationRequest, ReferenceGenerator
 
 
 def test_generate_writes_npy_equal_to_the_reference(tmp_path, tiny_model, capsys):
@@ -171,3 +171,46 @@ def test_serve_refuses_bad_batch_limits_before_loading_anything(capsys):
     assert main(["serve", "--token-budget", "0"]) == 2
     assert "--token-budget" in capsys.readouterr().err
     assert main(["serve", "--max-batch", "0"]) == 2
+
+
+def test_serve_session_limit_flags_set_the_session_limits_and_default_to_them():
+    from streamworld.cli import build_parser
+    from streamworld.cli.serve import SESSION_LIMIT_FLAGS, serve_config
+    from streamworld.server import SessionLimits
+
+    defaults = SessionLimits()
+    config = serve_config(build_parser().parse_args(["serve"]))
+    assert config.server.limits == defaults
+    for limit in SESSION_LIMIT_FLAGS:  # the help states the server's own default
+        assert f"(default {getattr(defaults, limit.field):g})" in limit.help
+    argv = ["serve", "--start-timeout", "5", "--pause-chunks", "4", "--slow-client-timeout", "2.5"]
+    config = serve_config(build_parser().parse_args([*argv, "--ack-window", "6", "--max-sessions", "3"]))
+    assert config.server.limits == SessionLimits(
+        start_timeout_s=5.0, pause_chunks=4, slow_client_timeout_s=2.5, ack_window=6
+    )
+    assert config.engine.max_streams == 3
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pause-chunks", "0"], "--pause-chunks must be at least 1"),
+        (["--ack-window", "-1"], "--ack-window must be at least 1"),
+        (["--start-timeout", "0"], "--start-timeout must be a positive number of seconds"),
+        (["--slow-client-timeout", "nan"], "--slow-client-timeout must be a positive number of seconds"),
+    ],
+)
+def test_serve_refuses_bad_session_limits_before_loading_anything(capsys, args, message):
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"streamworld serve: error: {message}"
+
+
+def test_every_command_explains_every_option():
+    from streamworld.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.choices and "serve" in a.choices).choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"

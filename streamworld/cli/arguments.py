@@ -1,0 +1,140 @@
+"""Argument groups that several commands share, written once: where weights come from and
+where the model runs (`serve`, `generate`, `bench`), and the engine's knobs (`serve`, `bench`).
+
+Building the parser imports nothing heavy, so `streamworld --help` stays quick; the engine
+is imported only when a command builds its configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from ..engine import EngineConfig
+
+KV_MODES = ("clean", "final", "noisy")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model (one preset, default tiny-wan) and the weight arguments."""
+    group = parser.add_argument_group("model and weights")
+    group.add_argument(
+        "--model", default="tiny-wan", help="model preset (see `streamworld models`; default: tiny-wan)"
+    )
+    add_weight_arguments(group)
+
+
+def add_weight_arguments(group: argparse._ActionsContainer) -> None:
+    """Where weights come from and where the model runs (for real-size presets)."""
+    group.add_argument(
+        "--weights",
+        metavar="DIR",
+        help="local diffusers-style folder with transformer/, vae/, text_encoder/ and tokenizer/",
+    )
+    group.add_argument(
+        "--dit",
+        metavar="PATH",
+        help="DiT checkpoint: diffusers folder, original Wan file, CausVid model.pt or Self-Forcing .pt",
+    )
+    group.add_argument("--vae", metavar="DIR", help="local diffusers AutoencoderKLWan folder")
+    group.add_argument("--text-encoder", metavar="DIR", help="local umT5 encoder folder with its tokenizer")
+    group.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="run a real-size model with seeded random weights (timing benchmarks only)",
+    )
+    group.add_argument(
+        "--frame-size",
+        metavar="HxW",
+        help="override the preset's frame size, height x width, e.g. 320x512 (timing studies; "
+        "trained weights such as pusht's only work at their own size)",
+    )
+    group.add_argument(
+        "--window",
+        type=int,
+        metavar="N",
+        help="override the preset's attention window (latent frames after the sink frames)",
+    )
+    _add_runtime_arguments(group)
+
+
+def _add_runtime_arguments(group: argparse._ActionsContainer) -> None:
+    """How the loaded model runs: decoder, compilation, device, dtype, CPU threads."""
+    group.add_argument(
+        "--decoder",
+        choices=("wan", "lite"),
+        default="wan",
+        help="how latents become frames: wan (the model's VAE decoder, default) or lite "
+        "(StreamWorld's small causal decoder, many times cheaper; its weights come from "
+        "`streamworld distill-decoder` via --decoder-weights, or are random with --random-weights)",
+    )
+    group.add_argument("--decoder-weights", metavar="PATH", help="lite decoder weights (.safetensors)")
+    group.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the hot paths with torch.compile while the model loads, so serving never waits "
+        "for it: the DiT's elementwise arithmetic, and the lite decoder with --decoder lite (a GPU "
+        "needs Triton, a CPU a C++ compiler; adds some 30-60 s to loading; figures in docs/benchmarks.md)",
+    )
+    group.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    group.add_argument(
+        "--dtype", default="auto", help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16"
+    )
+    group.add_argument(
+        "--threads",
+        type=int,
+        help="PyTorch CPU threads (default: PyTorch's, one per core). Use 1 when other busy "
+        "processes share the cores: OpenMP threads then lose whole time slices (docs/benchmarks.md)",
+    )
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Stages, ranks, the first-chunk budget and the batch limits (`EngineConfig`)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--stages", type=int, default=1, help="block stages per forward (default 1)")
+    group.add_argument(
+        "--ranks", type=int, default=1, help="virtual ranks (threads / CUDA streams) (default 1)"
+    )
+    group.add_argument(
+        "--ttff-budget",
+        type=float,
+        default=1.0,
+        help="seconds from a stream's start to its first chunk's deadline (default 1.0)",
+    )
+    group.add_argument("--max-batch", type=int, default=16, help="most units in one batch (default 16)")
+    group.add_argument(
+        "--token-budget",
+        type=int,
+        default=65536,
+        help="most query tokens in one batch (default 65536; the most urgent unit always goes). On an "
+        "H200, 8192 (one 480x832 unit) gave one noisy stream 0.50 s to the first frame instead of 1.30 s, "
+        "and 16384 (8 units of 320x512) let 8 paced streams meet every deadline (docs/benchmarks.md)",
+    )
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    if args.max_batch < 1 or args.token_budget < 1:
+        raise UsageError("--max-batch and --token-budget must be at least 1")
+
+
+def engine_config(args: argparse.Namespace, **settings) -> EngineConfig:
+    """The `EngineConfig` of the engine arguments; `settings` sets the command's other fields."""
+    from ..engine import EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        num_stages=args.stages,
+        num_ranks=args.ranks,
+        ttff_budget_s=args.ttff_budget,
+        scheduler=SchedulerConfig(max_batch_units=args.max_batch, token_budget=args.token_budget),
+        **settings,
+    )
+
+
+def check_output_folder(flag: str, path: str | None) -> None:
+    """An output file's folder must exist before hours of work go into it."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise UsageError(f"{flag}: folder {Path(path).parent} does not exist")

@@ -1,0 +1,115 @@
+"""`streamworld bench`: N streams through the engine against the sequential baseline
+(the measurement itself lives in `streamworld.bench`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from . import arguments, loading
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from ..bench import BenchConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "bench",
+        help="N concurrent streams through the engine vs. the sequential baseline",
+        description=(
+            "Run N streams through the engine for a fixed time, then the same streams one after another "
+            "through the sequential reference loop (the naive baseline) in the same process. Prints "
+            "aggregate and per-stream frames/s, time to first frame, inter-chunk p50/p99, deadline "
+            "attainment, the batch-size histogram, executor idle share and the engine/baseline ratio."
+        ),
+    )
+    arguments.add_model_arguments(parser)
+    parser.add_argument("--streams", type=int, default=4, help="concurrent streams (default 4)")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of engine run (default 20)")
+    parser.add_argument("--kv-mode", choices=arguments.KV_MODES, help="KV mode (default: the model's)")
+    parser.add_argument(
+        "--priority",
+        choices=("interactive", "standard", "batch"),
+        default="standard",
+        help="priority class of every stream (default standard)",
+    )
+    parser.add_argument(
+        "--prompt",
+        default="a walk through a forest",
+        help="text prompt of every stream (models that take one)",
+    )
+    parser.add_argument(
+        "--unpaced",
+        action="store_true",
+        help="no playback clocks: every stream runs as fast as it can (throughput)",
+    )
+    arguments.add_engine_arguments(parser)
+    _add_baseline_arguments(parser)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA only: run the measured window under the PyTorch profiler and report GPU kernel "
+        "time per executor (DiT, decode, encode), GPU idle share and the costliest kernels "
+        "(the profiler slows the run: quote throughput from a run without it)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the full result as JSON")
+    parser.set_defaults(func=run)
+
+
+def _add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sequential baseline")
+    group.add_argument(
+        "--baseline-kv-mode",
+        choices=arguments.KV_MODES,
+        help="KV mode of the sequential baseline (default: same as --kv-mode)",
+    )
+    group.add_argument("--no-baseline", action="store_true", help="skip the sequential baseline")
+    group.add_argument(
+        "--baseline-repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the sequential baseline N times and take the median for the ratio (default 1); "
+        "it runs one unit at a time, so it is host-bound and varies more between runs than the engine",
+    )
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    from ..bench import BenchConfig
+
+    return BenchConfig(
+        streams=args.streams,
+        duration_s=args.duration,
+        kv_mode=args.kv_mode,
+        baseline_kv_mode=args.baseline_kv_mode,
+        priority=args.priority,
+        prompt=args.prompt,
+        paced=not args.unpaced,
+        engine=arguments.engine_config(args),
+        baseline=not args.no_baseline,
+        baseline_repeats=args.baseline_repeats,
+        profile=args.profile,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import format_report, run_bench, write_json
+
+    if args.streams < 1 or args.duration <= 0:
+        raise UsageError("--streams must be at least 1 and --duration positive")
+    if args.baseline_repeats < 1:
+        raise UsageError("--baseline-repeats must be at least 1")
+    arguments.check_engine_arguments(args)
+    arguments.check_output_folder("--json", args.json)
+    model = loading.load_model(args)
+    if args.profile and model.device.type != "cuda":
+        raise UsageError("--profile reads GPU kernel times and needs a CUDA device (--device cuda)")
+    if args.stages > model.config.num_layers:
+        raise UsageError(f"--stages must be at most {model.config.num_layers} (the model's blocks)")
+    result = run_bench(model, bench_config(args))
+    print(format_report(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0

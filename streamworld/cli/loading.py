@@ -1,0 +1,168 @@
+"""The one way a command turns its arguments into a loaded model.
+
+`serve`, `generate`, `bench` and `eval` load a `WorldModel` through `load_world_model`
+(where the process does its PyTorch work, with loading errors as one-line usage errors);
+`distill-decoder` loads only its teacher VAE, through `load_teacher_vae`. The preset
+overrides (--frame-size, --window), the weight paths and --threads are read here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models.config import ModelConfig
+    from ..models.vae import StreamingVAE
+    from ..models.world_model import WeightPaths, WorldModel
+
+# What loading raises for bad weights, devices or settings: the user's to fix, not a bug.
+LOAD_ERRORS = (ValueError, RuntimeError, FileNotFoundError, NotImplementedError)
+
+_WEIGHT_FLAGS = ("weights", "dit", "vae", "text_encoder", "decoder_weights")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """`WorldModel.load`'s keyword arguments."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    random_weights: bool = False
+    decoder: str = "wan"
+    compiled: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoadOptions:
+        return cls(
+            device=args.device,
+            dtype=args.dtype,
+            random_weights=args.random_weights,
+            decoder=args.decoder,
+            compiled=args.compile,
+        )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UsageError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def check_weight_paths(args: argparse.Namespace) -> None:
+    for name in _WEIGHT_FLAGS:
+        path = getattr(args, name)
+        if path is not None and not Path(path).exists():
+            raise UsageError(f"--{name.replace('_', '-')}: {path} does not exist")
+
+
+def weight_paths(args: argparse.Namespace) -> WeightPaths:
+    from ..models.world_model import WeightPaths
+
+    return WeightPaths(
+        root=args.weights,
+        dit=args.dit,
+        vae=args.vae,
+        text_encoder=args.text_encoder,
+        lite_decoder=args.decoder_weights,
+    )
+
+
+def override_preset(config: ModelConfig, args: argparse.Namespace) -> ModelConfig:
+    """The preset with --frame-size and --window applied."""
+    changes: dict = {}
+    if args.frame_size is not None:
+        h, sep, w = args.frame_size.lower().partition("x")
+        if not (sep and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0):
+            raise UsageError(f"--frame-size must look like 320x512, got {args.frame_size!r}")
+        changes.update(height=int(h), width=int(w))
+    if getattr(args, "window", None) is not None:  # distill-decoder has no --window
+        changes["window_frames"] = args.window
+    if not changes:
+        return config
+    try:
+        return dataclasses.replace(config, **changes)
+    except ValueError as e:
+        raise UsageError(f"--frame-size/--window: {e}") from None
+
+
+def preset(args: argparse.Namespace) -> ModelConfig:
+    """--model's preset with the overrides applied."""
+    from ..models import get_preset
+
+    try:
+        return override_preset(get_preset(args.model), args)
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+
+
+def load_world_model(
+    config: ModelConfig, weights: WeightPaths | None, options: LoadOptions, label: str = ""
+) -> WorldModel:
+    """Loads where this process does its PyTorch work for the device (`on_torch_thread`: on a
+    CPU the engine's shared worker thread), as the engine and the reference generator run.
+    `label` prefixes a loading error (which of several models failed)."""
+    from ..engine import on_torch_thread
+    from ..models.world_model import WorldModel, resolve_device
+
+    try:
+        return on_torch_thread(
+            resolve_device(options.device),
+            lambda: WorldModel.load(config, weights, **dataclasses.asdict(options)),
+        )
+    except LOAD_ERRORS as e:
+        raise UsageError(f"{label}{e}") from None
+
+
+def load_model(args: argparse.Namespace) -> WorldModel:
+    """The model of --model and the weight arguments (`generate`, `bench`)."""
+    apply_threads(args)
+    config = preset(args)
+    weights = weight_paths(args)
+    check_weight_paths(args)
+    return load_world_model(config, weights, LoadOptions.from_args(args))
+
+
+def teacher_vae_path(args: argparse.Namespace, config: ModelConfig) -> str | None:
+    """The VAE folder of --vae or --weights; None for a seeded random teacher."""
+    from ..models.world_model import WeightPaths
+
+    vae_path = WeightPaths(root=args.weights, vae=args.vae).resolve().vae if args.weights else args.vae
+    if args.weights and vae_path is None:
+        raise UsageError(f"--weights: {args.weights} has no vae/ folder; give the teacher with --vae")
+    if vae_path is None and config.requires_weights and not args.random_weights:
+        raise UsageError(f"{config.id}: give the teacher VAE with --vae or --weights (or --random-weights)")
+    return vae_path
+
+
+def resolve_device(device: str) -> torch.device:
+    from ..models.world_model import resolve_device
+
+    try:
+        return resolve_device(device)
+    except LOAD_ERRORS as e:
+        raise UsageError(str(e)) from None
+
+
+def load_teacher_vae(config: ModelConfig, vae_path: str | None, device: torch.device) -> StreamingVAE:
+    """The VAE at `vae_path`, or the preset's seeded random one (it checks the pipeline only)."""
+    from ..models.vae import StreamingVAE
+    from ..models.world_model import resolve_dtype
+
+    try:
+        dtype = resolve_dtype("auto", device)
+        if vae_path is not None:
+            return StreamingVAE.from_pretrained(vae_path, device=device, dtype=dtype)
+        return StreamingVAE.from_config(config, seed=config.init_seed + 1).to(device, dtype)
+    except LOAD_ERRORS as e:
+        raise UsageError(str(e)) from None

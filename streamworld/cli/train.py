@@ -1,0 +1,157 @@
+"""`streamworld train pusht`: record PushT episodes and train the embedded world model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from . import arguments
+from .errors import UsageError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "train",
+        help="train the embedded PushT world model",
+        description=(
+            "Record PushT episodes (when the data folder has none yet) and train the pusht world model "
+            "with flow matching. A run stops after --minutes and saves a checkpoint in --workdir; running "
+            "the same command again resumes it, until --total-steps. Every run exports the EMA weights "
+            "(float16 safetensors), which `streamworld serve --model pusht --dit PATH` serves "
+            "instead of the built-in ones. The "
+            "recipe is in docs/pusht.md."
+        ),
+    )
+    parser.add_argument("model", choices=("pusht",), help="the model to train (only pusht is trainable)")
+    parser.add_argument(
+        "--workdir", default="pusht-train", help="checkpoint and output folder (default pusht-train)"
+    )
+    _add_data_arguments(parser)
+    _add_schedule_arguments(parser)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    parser.add_argument("--out", metavar="PATH", help="exported weights (default WORKDIR/pusht.safetensors)")
+    parser.add_argument(
+        "--prediction",
+        choices=("flow", "x0"),
+        help="what the DiT learns to output (default: the preset's, x0); the served preset must match",
+    )
+    parser.add_argument(
+        "--init",
+        metavar="PATH",
+        help="start from these exported weights (fine-tuning) instead of random ones",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model, data set and schedule on the CPU: checks the pipeline in seconds",
+    )
+    parser.set_defaults(func=run)
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("recorded data")
+    group.add_argument(
+        "--data", metavar="DIR", help="recorded episodes (default WORKDIR/data; recorded when missing)"
+    )
+    group.add_argument("--episodes", type=int, default=2000, help="episodes to record (default 2000)")
+    group.add_argument("--steps-per-episode", type=int, default=200, help="actions per episode (default 200)")
+    group.add_argument("--data-seed", type=int, default=0, help="seed of the recorded data set (default 0)")
+    group.add_argument("--workers", type=int, help="processes that record episodes (default: CPU count)")
+
+
+def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training schedule")
+    group.add_argument(
+        "--minutes", type=float, default=10.0, help="wall-time budget of this run (default 10)"
+    )
+    group.add_argument(
+        "--total-steps", type=int, default=12_000, help="length of the whole schedule (default 12000)"
+    )
+    group.add_argument("--batch-size", type=int, default=64, help="clips per step (default 64)")
+    group.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
+    group.add_argument(
+        "--change-weight",
+        type=float,
+        default=0.0,
+        help="extra loss weight on pixels that differ from the episode's first frame (default 0)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+
+
+def _configs(args: argparse.Namespace):
+    """(model config, data set spec, training config, device); --smoke shrinks all of them."""
+    from ..models import get_preset
+    from ..pusht.data import DatasetSpec
+    from ..pusht.train import TrainConfig, smoke_config
+
+    config = get_preset(args.model)
+    if args.prediction is not None:
+        config = dataclasses.replace(config, prediction=args.prediction)
+    spec = DatasetSpec(
+        episodes=args.episodes, steps=args.steps_per_episode, size=config.height, seed=args.data_seed
+    )
+    train_config = TrainConfig(
+        batch_size=args.batch_size,
+        total_steps=args.total_steps,
+        lr=args.lr,
+        seed=args.seed,
+        change_weight=args.change_weight,
+    )
+    if not args.smoke:
+        return config, spec, train_config, args.device
+    config = smoke_config(config)
+    spec = DatasetSpec(episodes=4, steps=40, size=config.height, seed=args.data_seed)
+    train_config = TrainConfig(
+        batch_size=2,
+        total_steps=min(args.total_steps, 4),
+        warmup_steps=2,
+        log_every=2,
+        checkpoint_every=2,
+        change_weight=args.change_weight,
+    )
+    return config, spec, train_config, "cpu"
+
+
+def _check(args: argparse.Namespace, workdir: Path) -> None:
+    if not args.change_weight >= 0:  # also refuses nan
+        raise UsageError("--change-weight must be at least 0")
+    for name in ("episodes", "steps_per_episode", "total_steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.minutes <= 0:
+        raise UsageError("--minutes must be positive")
+    if workdir.exists() and not workdir.is_dir():
+        raise UsageError(f"--workdir: {workdir} is a file")
+    arguments.check_output_folder("--out", args.out)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..pusht.train import Trainer, prepare_data
+
+    config, spec, train_config, device = _configs(args)
+    workdir = Path(args.workdir)
+    _check(args, workdir)
+    data_dir = Path(args.data) if args.data else workdir / "data"
+    try:
+        data = prepare_data(data_dir, spec, workers=args.workers)
+        if args.init is not None and not Path(args.init).is_file():
+            raise UsageError(f"--init: {args.init} does not exist")
+        trainer = Trainer(config, train_config, data, workdir, device=device, init=args.init)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    summary = trainer.run(args.minutes)
+    out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
+    summary["weights"] = str(out)
+    summary["weights_bytes"] = out.stat().st_size
+    (workdir / "train_summary.json").write_text(
+        json.dumps({**summary, "history": trainer.history}, indent=2) + "\n"
+    )
+    print(json.dumps(summary, indent=2))
+    if trainer.step < train_config.total_steps:
+        print(
+            f"stopped at step {trainer.step} of {train_config.total_steps}: "
+            "run the same command again to resume"
+        )
+    return 0

@@ -73,8 +73,9 @@ class BenchConfig:
         return replace(self.engine, max_streams=max(self.streams, 1), scheduler=scheduler)
 
     def to_json(self) -> dict:
-        """The run's settings for the result file. The engine knobs that BenchConfig used to
-        hold itself stay as top-level keys too, so readers of older results keep working."""
+        """The run's settings for the result file, `engine` as the engine ran (`engine_config`).
+        The engine knobs that BenchConfig used to hold itself stay as top-level keys too, with
+        the values they had there, so readers of older results keep working."""
         engine = self.engine
         flat = {
             "num_stages": engine.num_stages,
@@ -85,7 +86,7 @@ class BenchConfig:
             "lookahead_chunks": engine.scheduler.lookahead_chunks,
         }
         # A fault hook is a test's function, not a setting, and JSON cannot hold it.
-        settings = asdict(replace(self, engine=replace(engine, fault_hook=None)))
+        settings = asdict(replace(self, engine=replace(self.engine_config(), fault_hook=None)))
         return {**settings, **flat}
 
 

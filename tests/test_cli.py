@@ -214,3 +214,37 @@ def test_every_command_explains_every_option():
     for name, sub in commands.items():
         for action in sub._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_bench_flags_become_one_engine_config_and_the_json_keeps_the_old_keys():
+    from streamworld.cli import build_parser
+    from streamworld.cli.bench import bench_config
+
+    argv = [
+        "bench",
+        "--streams",
+        "3",
+        "--unpaced",
+        "--ranks",
+        "2",
+        "--token-budget",
+        "512",
+        "--max-batch",
+        "4",
+    ]
+    cfg = bench_config(build_parser().parse_args([*argv, "--ttff-budget", "0.5"]))
+    assert (cfg.engine.num_ranks, cfg.engine.ttff_budget_s) == (2, 0.5)
+    assert (cfg.engine.scheduler.token_budget, cfg.engine.scheduler.max_batch_units) == (512, 4)
+    settings = json.loads(json.dumps(cfg.to_json()))
+    assert {k: settings[k] for k in ("streams", "paced", "num_ranks", "token_budget", "max_batch_units")} == {
+        "streams": 3,
+        "paced": False,
+        "num_ranks": 2,
+        "token_budget": 512,
+        "max_batch_units": 4,
+    }
+    assert settings["ttff_budget_s"] == 0.5 and settings["lookahead_chunks"] == 2.0
+    # The nested engine is the one that ran: room for every stream, no lookahead limit unpaced.
+    assert (
+        settings["engine"]["max_streams"] == 3 and settings["engine"]["scheduler"]["lookahead_chunks"] > 1e6
+    )

@@ -1,4 +1,5 @@
-"""The browser demo (streamworld/web/) in a real headless Chromium, against a real `streamworld serve`.
+"""The browser demo (top-level web/, installed as `streamworld.web`) in a real headless Chromium,
+against a real `streamworld serve`.
 
 Needs Playwright for Python and a Chromium binary (Debian: `apt-get install -y chromium`;
 Playwright's own browser download is not used). Without them these tests are skipped with

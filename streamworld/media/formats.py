@@ -1,4 +1,4 @@
-"""The wire formats of chunk payloads (`format` in `session.start`, see PROTOCOL.md).
+"""The wire formats of chunk payloads (`format` in `session.start`, see docs/protocol.md).
 
 | format | payload | `sizes` |
 | --- | --- | --- |

@@ -1,6 +1,6 @@
 """Action conditioning: one action vector per video frame, injected per latent frame.
 
-Convention (PROTOCOL.md): the action of video frame n conditions frame n+1. With temporal
+Convention (docs/protocol.md): the action of video frame n conditions frame n+1. With temporal
 compression r, latent frame 0 covers video frame 0 and latent frame j >= 1 covers video
 frames r(j-1)+1 .. rj, so latent frame j >= 1 is conditioned by the r actions of video
 frames r(j-1) .. rj-1, and latent frame 0 by nothing (zeros).

@@ -162,7 +162,7 @@ class ModelConfig:
         return self.sink_frames + self.window_frames
 
     def describe(self) -> dict[str, Any]:
-        """The `/v1/models` entry of PROTOCOL.md."""
+        """The `/v1/models` entry of docs/protocol.md."""
         return {
             "id": self.id,
             "width": self.width,

@@ -7,7 +7,8 @@ the model list and one WebSocket stream per connection over the engine.
     pacing     backpressure: outgoing bound, send timeout, ack window and its watchdog
     protocol   close codes, parsing client messages, building server messages
     metrics    Prometheus metrics
-    media      wire formats of the video payloads
+
+The video payloads' wire formats are in `streamworld.media`, shared with the client.
 """
 
 from .app import StreamWorldServer

@@ -147,7 +147,7 @@ class StreamWorldServer:
         links = "".join(f"<li>{mid}</li>" for mid in self.models)
         html = (
             "<!doctype html><title>StreamWorld</title><h1>StreamWorld</h1>"
-            "<p>The browser demo is not built yet. Served models:</p>"
+            "<p>The browser demo's files are missing from this installation. Served models:</p>"
             f"<ul>{links}</ul><p>See <a href='/v1/models'>/v1/models</a>, <a href='/healthz'>/healthz</a>, "
             "<a href='/metrics'>/metrics</a>; streams are at <code>/v1/stream</code> (WebSocket).</p>"
         )

@@ -1,4 +1,4 @@
-"""Prometheus metrics (names from PROTOCOL.md, all prefixed `streamworld_`).
+"""Prometheus metrics (names from docs/protocol.md, all prefixed `streamworld_`).
 
 Event metrics (histograms, counters) are observed by sessions as things happen, through one
 `SessionMetrics` per session. State

@@ -1,4 +1,4 @@
-"""The wire protocol (PROTOCOL.md, version 1) in one place: close codes, parsing and
+"""The wire protocol (docs/protocol.md, version 1) in one place: close codes, parsing and
 validating client messages, and building server messages.
 
 Every problem with a client message becomes a `ProtocolError` with a protocol error code

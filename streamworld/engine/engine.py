@@ -31,7 +31,7 @@ import numpy as np
 
 from ..models.world_model import WorldModel
 from .config import EngineConfig
-from .executor import Executor
+from .executor import Executor, resolve_overlap
 from .handle import StreamHandle
 from .kv_cache import KVCache, default_pages
 from .kv_modes import PREFILL, PREFILL_CHUNK, num_kv_versions, unit_kv_access
@@ -62,21 +62,11 @@ class AsyncEngine:
         self.stages: list[Stage] = split_stages(cfg.num_layers, self.config.num_stages)
         self.num_steps = model.schedule.num_steps
         pages = self.config.kv_pages
-        if pages is None:
-            worst = pages_needed(
-                self.num_steps, cfg.sink_frames, cfg.window_frames, cfg.latent_frames_per_chunk
-            )
-            pages = default_pages(model, worst * self.config.max_streams, self.config.kv_memory_fraction)
+        if pages is None:  # room for `max_streams` streams in their worst case (noisy)
+            wanted = self._pages_for("noisy") * self.config.max_streams
+            pages = default_pages(model, wanted, self.config.kv_memory_fraction)
         self.pool = KVPagePool(len(self.stages), pages)
-        cache = KVCache(
-            self.stages,
-            pages,
-            cfg.tokens_per_frame,
-            model.dit.heads,
-            model.dit.head_dim,
-            model.dtype,
-            model.device,
-        )
+        cache = KVCache.for_model(model, self.stages, pages)
         self.scheduler = Scheduler(
             self.config.scheduler,
             num_stages=len(self.stages),
@@ -84,12 +74,9 @@ class AsyncEngine:
             num_ranks=self.config.num_ranks,
             max_decode_batch=self.config.max_decode_batch,
         )
-        overlap = self.config.overlap_dispatch
-        if overlap is None:
-            overlap = model.device.type == "cuda" and self.config.num_ranks == 1
-        elif overlap and self.config.num_ranks > 1:
-            raise ValueError("overlapped dispatch needs one rank (one CUDA stream for all DiT work)")
-        self.overlap = overlap
+        self.overlap = overlap = resolve_overlap(
+            self.config.overlap_dispatch, model.device, self.config.num_ranks
+        )
         self.runner = ModelRunner(model, self.stages, cache, overlap, self.config.fault_hook)
         # On a CPU all three share the process's one PyTorch thread (executor.py says why).
         self.ranks = [

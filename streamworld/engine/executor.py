@@ -86,6 +86,16 @@ def on_torch_thread(device: torch.device | str, fn: Callable[[], T]) -> T:
             continue
 
 
+def resolve_overlap(asked: bool | None, device: torch.device, num_ranks: int) -> bool:
+    """Whether DiT batches overlap (`EngineConfig.overlap_dispatch`): by default with one rank
+    on a GPU, where one CUDA stream orders all DiT work; never with several ranks."""
+    if asked is None:
+        return device.type == "cuda" and num_ranks == 1
+    if asked and num_ranks > 1:
+        raise ValueError("overlapped dispatch needs one rank (one CUDA stream for all DiT work)")
+    return asked
+
+
 class Executor:
     """One virtual rank. With `overlap` (CUDA only), a run returns as soon as its kernels are
     queued and the previous run's kernels have finished, instead of waiting for its own: the

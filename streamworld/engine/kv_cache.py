@@ -53,6 +53,20 @@ class KVCache:
         ]
         self.values = [torch.empty_like(k) for k in self.keys]
 
+    @classmethod
+    def for_model(cls, model: WorldModel, stages: list[Stage], pages_per_stage: int) -> KVCache:
+        dit = model.dit
+        config = model.config
+        return cls(
+            stages,
+            pages_per_stage,
+            config.tokens_per_frame,
+            dit.heads,
+            dit.head_dim,
+            model.dtype,
+            model.device,
+        )
+
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine.reference import GenerationRequest, ReferenceGenerator
+from ..engine import GenerationRequest, ReferenceGenerator
 from ..models.world_model import WorldModel
 from .policy import ScriptedPolicy
 from .world import PushTWorld, locate

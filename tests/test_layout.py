@@ -1,7 +1,7 @@
 """The code's shape: data flows one way and no module imports itself in a circle.
 
-Imports are read from the source (module level; `if TYPE_CHECKING:` blocks are type hints,
-not imports at run time).
+Imports are read from the source, type-checking-only imports included: a circle of type
+hints is still a circle for a reader.
 """
 
 from __future__ import annotations
@@ -26,12 +26,10 @@ MODULES = _modules()
 
 
 def _imports(name: str, path: Path) -> set[str]:
-    """Project modules that `name` imports at run time."""
+    """Project modules that `name` imports."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
         for imp in ast.walk(node):
             if isinstance(imp, ast.ImportFrom):
                 if imp.level:

@@ -7,21 +7,29 @@ clock, stops or cancels, and iterates over the decoded chunks as they come.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .request import StreamError
 from .stream import ChunkOutput, Stream
 
-if TYPE_CHECKING:
-    from .engine import AsyncEngine
+
+class StreamControl(Protocol):
+    """What a handle asks of the engine (AsyncEngine provides it)."""
+
+    def queue_position(self, stream_id: int) -> int: ...
+    def push_actions(self, stream_id: int, actions: np.ndarray, frame: int | None = None) -> None: ...
+    def set_prompt(self, stream_id: int, prompt: str) -> None: ...
+    def set_paused(self, stream_id: int, paused: bool) -> None: ...
+    def stop(self, stream_id: int) -> None: ...
+    def cancel(self, stream_id: int, reason: str = "cancelled") -> None: ...
 
 
 class StreamHandle:
     """What a caller holds for one stream: an async iterator of decoded chunks."""
 
-    def __init__(self, engine: AsyncEngine, stream: Stream) -> None:
+    def __init__(self, engine: StreamControl, stream: Stream) -> None:
         self._engine = engine
         self.stream = stream
         self._admitted = asyncio.Event()

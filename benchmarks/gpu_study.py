@@ -77,6 +77,11 @@ def _engine(token_budget: int) -> EngineConfig:
 
 def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
     """The lite decoder and the compiled elementwise DiT arithmetic, alone and together."""
+    return _fast_480_runs() + _fast_320_runs() + _fast_profile_runs()
+
+
+def _fast_480_runs() -> list[tuple[str, str, BenchConfig]]:
+    """480x832: each KV mode, each change alone and paced (one unit per batch), then 2 streams."""
     runs = []
     for mode in ("noisy", "final", "clean"):
         runs.append(
@@ -102,6 +107,12 @@ def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
         )
     )
     runs.append(("480-2-noisy-fast", "480", BenchConfig(2, 15.0, "noisy", "clean", paced=False)))
+    return runs
+
+
+def _fast_320_runs() -> list[tuple[str, str, BenchConfig]]:
+    """320x512: how many real-time streams hold, and 8 unpaced streams, with and without a 16k budget."""
+    runs = []
     for n in (4, 6, 8, 10, 12):
         runs.append((f"320-{n}-noisy-paced-fast", "320", BenchConfig(n, 20.0, "noisy", baseline=False)))
     runs.append(("320-8-noisy-fast", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
@@ -124,6 +135,11 @@ def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
                 BenchConfig(n, 20.0, "noisy", baseline=False, engine=_engine(token_budget=16384)),
             )
         )
+    return runs
+
+
+def _fast_profile_runs() -> list[tuple[str, str, BenchConfig]]:
+    runs = []
     for geometry, streams in (("480", 1), ("320", 8)):
         runs.append(
             (
@@ -179,26 +195,71 @@ def _runs() -> list[tuple[str, str, BenchConfig]]:
     return runs + _fast_runs()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="folder for the JSON results")
     parser.add_argument("--runs", help="comma-separated run names (default: all)")
     parser.add_argument("--duration-scale", type=float, default=1.0, help="multiply every run's duration")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _select_runs(
+    runs: list[tuple[str, str, BenchConfig]], names: str | None
+) -> list[tuple[str, str, BenchConfig]] | None:
+    """The runs named in `--runs`, in the order given (all without it); None after reporting unknown names."""
+    if not names:
+        return runs
+    wanted = names.split(",")
+    unknown = sorted(set(wanted) - {name for name, _, _ in runs})
+    if unknown:
+        print(f"error: unknown runs {unknown}; known: {[n for n, _, _ in runs]}", file=sys.stderr)
+        return None
+    by_name = {r[0]: r for r in runs}
+    return [by_name[n] for n in wanted]
+
+
+def _load_model(geometry: str, variant: str) -> tuple[WorldModel, float]:
+    """The 1.3B model with random weights at `geometry`, and the seconds it took to load."""
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    config = dataclasses.replace(get_preset("wan2.1-t2v-1.3b"), **GEOMETRIES[geometry])
+    model = WorldModel.load(config, random_weights=True, device="cuda", dtype="bfloat16", **VARIANTS[variant])
+    load_s = time.perf_counter() - t0
+    print(
+        f"--- loaded {config.height}x{config.width} {variant or 'eager, wan decoder'} in {load_s:.1f} s",
+        flush=True,
+    )
+    return model, load_s
+
+
+def _bench(name: str, cfg: BenchConfig, model: WorldModel, load_s: float) -> dict:
+    """One run's `streamworld bench` result, printed, with what the study adds to it."""
+    if name.endswith("cudnn-benchmark"):
+        torch.backends.cudnn.benchmark = True
+    print(f"=== {name}", flush=True)
+    result = run_bench(model, cfg)
+    result["run"] = name
+    result["model_load_s"] = load_s
+    result["decoder"] = model.vae.decoder_kind
+    result["compiled_elementwise"] = model.dit.elementwise_compiled
+    lite = getattr(model.vae, "lite", None)
+    result["compiled_decoder"] = lite is not None and lite.compiled
+    result["geometry"] = f"{model.config.height}x{model.config.width}, window {model.config.window_frames}"
+    print(format_report(result), flush=True)
+    result["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the GPU study needs a CUDA device", file=sys.stderr)
         return 2
-    runs = _runs()
-    if args.runs:
-        wanted = args.runs.split(",")
-        unknown = sorted(set(wanted) - {name for name, _, _ in runs})
-        if unknown:
-            print(f"error: unknown runs {unknown}; known: {[n for n, _, _ in runs]}", file=sys.stderr)
-            return 2
-        by_name = {r[0]: r for r in runs}
-        runs = [by_name[n] for n in wanted]  # in the order given
+    runs = _select_runs(_runs(), args.runs)
+    if runs is None:
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models: dict[str, tuple[WorldModel, float]] = {}
@@ -206,36 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         key = f"{geometry}{_variant(name)}"
         if key not in models:
             models.clear()  # one model on the GPU at a time
-            model = None
-            torch.cuda.empty_cache()
-            t0 = time.perf_counter()
-            config = dataclasses.replace(get_preset("wan2.1-t2v-1.3b"), **GEOMETRIES[geometry])
-            model = WorldModel.load(
-                config, random_weights=True, device="cuda", dtype="bfloat16", **VARIANTS[_variant(name)]
-            )
-            models[key] = (model, time.perf_counter() - t0)
-            print(
-                f"--- loaded {config.height}x{config.width} {_variant(name) or 'eager, wan decoder'} "
-                f"in {models[key][1]:.1f} s",
-                flush=True,
-            )
+            model = None  # the last reference, so that the load can reuse its memory
+            models[key] = _load_model(geometry, _variant(name))
         model, load_s = models[key]
         cfg = dataclasses.replace(cfg, duration_s=cfg.duration_s * args.duration_scale)
-        if name.endswith("cudnn-benchmark"):
-            torch.backends.cudnn.benchmark = True
-        print(f"=== {name}", flush=True)
-        result = run_bench(model, cfg)
-        result["run"] = name
-        result["model_load_s"] = load_s
-        result["decoder"] = model.vae.decoder_kind
-        result["compiled_elementwise"] = model.dit.elementwise_compiled
-        lite = getattr(model.vae, "lite", None)
-        result["compiled_decoder"] = lite is not None and lite.compiled
-        result["geometry"] = (
-            f"{model.config.height}x{model.config.width}, window {model.config.window_frames}"
-        )
-        print(format_report(result), flush=True)
-        result["cudnn_benchmark"] = torch.backends.cudnn.benchmark
+        result = _bench(name, cfg, model, load_s)
         write_json(result, str(out / f"{name}.json"))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image
 from websockets.exceptions import WebSocketException
 
-from streamworld.client import FORMATS, Chunk, StreamWorldClient, StreamWorldError
+from streamworld.client import FORMATS, Chunk, SessionInfo, StreamWorldClient, StreamWorldError
 from streamworld.media import write_mp4
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
@@ -258,15 +258,8 @@ class Recording:
     fps: float | None = None  # set once the session has started
 
 
-async def stream(
-    args: argparse.Namespace,
-    action_dim: int,
-    actions: np.ndarray | None,
-    image: np.ndarray | None,
-    recording: Recording,
-) -> int:
-    wait = actions is not None and not args.hold
-    client = StreamWorldClient(
+def open_client(args: argparse.Namespace, image: np.ndarray | None, wait: bool) -> StreamWorldClient:
+    return StreamWorldClient(
         args.url,
         model=args.model,
         prompt=args.prompt,
@@ -279,85 +272,141 @@ async def stream(
         priority="interactive" if args.keyboard else None,
         on_queued=lambda position: print(f"queued: position {position}", file=sys.stderr),
     )
+
+
+def stop_on_sigint(stop: asyncio.Event, cleanup: contextlib.AsyncExitStack) -> None:
+    """Ctrl-C sets `stop` instead of interrupting, so that the session ends cleanly."""
     loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows: Ctrl-C raises
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        cleanup.callback(loop.remove_signal_handler, signal.SIGINT)
+
+
+async def started_session(
+    starting: asyncio.Future[SessionInfo], stopping: asyncio.Future[Any], url: str
+) -> SessionInfo | None:
+    """The session once it has started; None if a stop came first."""
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()
+        print("stopped before the session started", file=sys.stderr)
+        return None
+    try:
+        info = starting.result()
+    except StreamWorldError as e:
+        raise Exit(f"the session did not start: {e}") from None
+    except (OSError, asyncio.TimeoutError, WebSocketException) as e:
+        raise Exit(f"cannot connect to {url}: {str(e) or type(e).__name__}") from None
+    return info
+
+
+def announce(info: SessionInfo) -> None:
+    print(
+        f"session {info.session_id}: {info.model} {info.width}x{info.height} @ {info.fps:g} fps, "
+        f"{info.format}, kv {info.kv_mode}, seed {info.raw.get('seed')}; Ctrl-C stops",
+        file=sys.stderr,
+    )
+
+
+def stop_when_actions_run_out(
+    args: argparse.Namespace, info: SessionInfo, actions: np.ndarray | None, wait: bool, stop: asyncio.Event
+) -> Callable[[Chunk], None]:
+    """The chunk callback that stops a session run by --actions (without --chunks) once they are used up."""
+
+    def on_chunk(chunk: Chunk) -> None:
+        # With wait, the next chunk (frames up to last + frames_per_chunk) needs actions up to the
+        # frame before its last one; once the file has none for it, the stream is over.
+        last = chunk.first_frame + chunk.num_frames - 1
+        if wait and args.chunks is None and last + info.frames_per_chunk > len(actions):
+            print(f"all {len(actions)} actions are used up: stopping", file=sys.stderr)
+            stop.set()
+
+    return on_chunk
+
+
+def steer_from_keyboard(
+    client: StreamWorldClient,
+    keys: KeyMap,
+    stop: asyncio.Event,
+    cleanup: contextlib.AsyncExitStack,
+) -> None:
+    """Puts the terminal in cbreak mode and sends an action whenever a key changes it, until cleanup."""
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+    cleanup.enter_context(cbreak_terminal(fd))
+    queue: asyncio.Queue[np.ndarray] = asyncio.Queue()
+    cleanup.callback(asyncio.ensure_future(send_loop(client, queue)).cancel)
+    if keys.pusht:
+        queue.put_nowait(keys.vector.copy())  # the initial target
+        print(f"action {keys.vector.tolist()} (the start)", file=sys.stderr)
+    buffer = bytearray()
+
+    def on_key() -> None:
+        data = os.read(fd, 64)
+        if not data:  # the terminal went away
+            loop.remove_reader(fd)
+        buffer.extend(data)
+        for key in parse_keys(buffer):
+            if key == "quit":
+                stop.set()
+            elif keys.press(key):
+                queue.put_nowait(keys.vector.copy())
+                print(f"action {np.round(keys.vector, 2).tolist()}", file=sys.stderr)
+
+    loop.add_reader(fd, on_key)
+    cleanup.callback(loop.remove_reader, fd)
+    print("keys: arrows/WASD move, space stays, q quits", file=sys.stderr)
+
+
+async def finish(
+    client: StreamWorldClient, receiver: asyncio.Task[None], stopping: asyncio.Future[Any]
+) -> int:
+    """Waits for the session to end, or on a stop stops it and receives the chunks under way."""
+    await asyncio.wait({receiver, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not receiver.done():
+        print(f"stopping: waiting up to {DRAIN_S:g} s for the chunks under way", file=sys.stderr)
+        with contextlib.suppress(StreamWorldError):
+            await client.stop()
+        if not (await asyncio.wait({receiver}, timeout=DRAIN_S))[0]:
+            print("the session did not end in time: closing", file=sys.stderr)
+            receiver.cancel()
+            return 0
+    if receiver.exception() is not None:
+        raise Exit(f"the session failed: {receiver.exception()}")
+    print(f"session done: {client.done_reason}, {client.chunks_done} chunks", file=sys.stderr)
+    return 0
+
+
+async def stream(
+    args: argparse.Namespace,
+    action_dim: int,
+    actions: np.ndarray | None,
+    image: np.ndarray | None,
+    recording: Recording,
+) -> int:
+    wait = actions is not None and not args.hold
+    client = open_client(args, image, wait)
     stop = asyncio.Event()
+    # Undone in reverse order on the way out: the client closes last, after the keyboard is released.
     async with contextlib.AsyncExitStack() as cleanup:
         cleanup.push_async_callback(client.close)
-        with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows: Ctrl-C raises
-            loop.add_signal_handler(signal.SIGINT, stop.set)
-            cleanup.callback(loop.remove_signal_handler, signal.SIGINT)
+        stop_on_sigint(stop, cleanup)
         starting = asyncio.ensure_future(client.start())
         stopping = asyncio.ensure_future(stop.wait())
         cleanup.callback(stopping.cancel)
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            starting.cancel()
-            print("stopped before the session started", file=sys.stderr)
+        info = await started_session(starting, stopping, args.url)
+        if info is None:
             return 0
-        try:
-            info = starting.result()
-        except StreamWorldError as e:
-            raise Exit(f"the session did not start: {e}") from None
-        except (OSError, asyncio.TimeoutError, WebSocketException) as e:
-            raise Exit(f"cannot connect to {args.url}: {str(e) or type(e).__name__}") from None
         recording.fps = info.fps
-        print(
-            f"session {info.session_id}: {info.model} {info.width}x{info.height} @ {info.fps:g} fps, "
-            f"{info.format}, kv {info.kv_mode}, seed {info.raw.get('seed')}; Ctrl-C stops",
-            file=sys.stderr,
-        )
-
-        def on_chunk(chunk: Chunk) -> None:
-            # With wait, the next chunk (frames up to last + frames_per_chunk) needs actions up to the
-            # frame before its last one; once the file has none for it, the stream is over.
-            last = chunk.first_frame + chunk.num_frames - 1
-            if wait and args.chunks is None and last + info.frames_per_chunk > len(actions):
-                print(f"all {len(actions)} actions are used up: stopping", file=sys.stderr)
-                stop.set()
-
+        announce(info)
+        on_chunk = stop_when_actions_run_out(args, info, actions, wait, stop)
         if actions is not None:
             await client.send_actions(actions, frame=0)
         if args.keyboard:
-            fd = sys.stdin.fileno()
-            cleanup.enter_context(cbreak_terminal(fd))
             keys = KeyMap(info.model, action_dim, info.raw.get("scene"), args.step)
-            queue: asyncio.Queue[np.ndarray] = asyncio.Queue()
-            cleanup.callback(asyncio.ensure_future(send_loop(client, queue)).cancel)
-            if keys.pusht:
-                queue.put_nowait(keys.vector.copy())  # the initial target
-                print(f"action {keys.vector.tolist()} (the start)", file=sys.stderr)
-            buffer = bytearray()
-
-            def on_key() -> None:
-                data = os.read(fd, 64)
-                if not data:  # the terminal went away
-                    loop.remove_reader(fd)
-                buffer.extend(data)
-                for key in parse_keys(buffer):
-                    if key == "quit":
-                        stop.set()
-                    elif keys.press(key):
-                        queue.put_nowait(keys.vector.copy())
-                        print(f"action {np.round(keys.vector, 2).tolist()}", file=sys.stderr)
-
-            loop.add_reader(fd, on_key)
-            cleanup.callback(loop.remove_reader, fd)
-            print("keys: arrows/WASD move, space stays, q quits", file=sys.stderr)
-
+            steer_from_keyboard(client, keys, stop, cleanup)
         receiver = asyncio.create_task(receive(client, recording.frames, on_chunk))
-        await asyncio.wait({receiver, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not receiver.done():
-            print(f"stopping: waiting up to {DRAIN_S:g} s for the chunks under way", file=sys.stderr)
-            with contextlib.suppress(StreamWorldError):
-                await client.stop()
-            if not (await asyncio.wait({receiver}, timeout=DRAIN_S))[0]:
-                print("the session did not end in time: closing", file=sys.stderr)
-                receiver.cancel()
-                return 0
-        if receiver.exception() is not None:
-            raise Exit(f"the session failed: {receiver.exception()}")
-        print(f"session done: {client.done_reason}, {client.chunks_done} chunks", file=sys.stderr)
-        return 0
+        return await finish(client, receiver, stopping)
 
 
 def save(recording: Recording, path: str) -> bool:

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from streamworld.client import StreamWorldClient, StreamWorldError
+from streamworld.client import Chunk, StreamWorldClient, StreamWorldError
 from streamworld.pusht.evaluate import psnr
 from streamworld.pusht.policy import ScriptedPolicy
 from streamworld.pusht.world import PushTWorld, locate
@@ -56,12 +56,19 @@ def _mean(values: list[float]) -> float:
     return float(np.mean(finite)) if finite else float("nan")
 
 
-async def run(args: argparse.Namespace) -> int:
-    world = PushTWorld(64)
-    first = world.reset(args.seed)
-    policy = ScriptedPolicy(args.policy_seed if args.policy_seed is not None else 500_000 + args.seed)
-    truth, predicted, rows = [first], [], []
-    async with StreamWorldClient(
+class LoopRecord:
+    """The real frames (from the reset frame on), the predicted ones, and one row of figures per chunk."""
+
+    def __init__(self, first: np.ndarray) -> None:
+        self.truth: list[np.ndarray] = [first]
+        self.predicted: list[np.ndarray] = []
+        # (loop latency ms, mean PSNR dB, agent distance px, block distance px)
+        self.rows: list[tuple[float, float, float, float]] = []
+
+
+def open_session(args: argparse.Namespace, first: np.ndarray) -> StreamWorldClient:
+    """A lockstep (`wait`), lossless (`rgb`) pusht session starting from the real first frame."""
+    return StreamWorldClient(
         args.url,
         model="pusht",
         image=first,
@@ -71,59 +78,92 @@ async def run(args: argparse.Namespace) -> int:
         action_policy="wait",
         priority="interactive",
         kv_mode=args.kv_mode,
-    ) as client:
+    )
+
+
+def act(world: PushTWorld, policy: ScriptedPolicy, frames: int, truth: list[np.ndarray]) -> list:
+    """The controller's next `frames` actions, each already applied to the real world."""
+    actions = []
+    for _ in range(frames):
+        actions.append(policy(world.scene))
+        truth.append(world.step(actions[-1]))
+    return actions
+
+
+def score_chunk(chunk: Chunk, latency: float, record: LoopRecord) -> None:
+    """Compares a predicted chunk with the real frames it stands for; records and prints the row."""
+    frames = chunk.frames
+    record.predicted.extend(frames)
+    real = record.truth[chunk.first_frame : chunk.first_frame + chunk.num_frames]
+    scores = [psnr(p, t) for p, t in zip(frames, real, strict=True)]
+    found = [(locate(p), locate(t)) for p, t in zip(frames, real, strict=True)]
+    agent = _mean([_distance(p.agent, t.agent) for p, t in found])
+    block = _mean([_distance(p.block, t.block) for p, t in found])
+    record.rows.append((latency, np.mean(scores), agent, block))
+    print(
+        f"{chunk.index:6d}  {chunk.first_frame:2d}-{chunk.first_frame + chunk.num_frames - 1:<3d}"
+        f"{latency:9.0f}  {chunk.timings.get('total', float('nan')):9.0f}  {np.mean(scores):8.2f}"
+        f"  {agent:8.2f}  {block:8.2f}"
+    )
+
+
+async def run_chunks(
+    client: StreamWorldClient, num_chunks: int, world: PushTWorld, policy: ScriptedPolicy, record: LoopRecord
+) -> bool:
+    """Drives the loop chunk by chunk to the end of the session; False if the server ended it early."""
+    fpc = client.info.frames_per_chunk
+    chunks = client.chunks()
+    for c in range(num_chunks):
+        actions = act(world, policy, fpc, record.truth)
+        sent = time.monotonic()
+        await client.send_actions(np.asarray(actions), frame=c * fpc)
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            print(f"error: the session ended after {c} chunks ({client.done_reason})")
+            return False
+        score_chunk(chunk, (time.monotonic() - sent) * 1000, record)
+    async for _ in chunks:  # session.done
+        pass
+    return True
+
+
+def write_side_by_side(path: str, record: LoopRecord, scale: int, fps: float) -> None:
+    from streamworld.media import write_mp4
+
+    n = len(record.predicted)
+    # The truth starts with the reset frame, which the prediction was given rather than predicted.
+    pairs = np.concatenate([np.stack(record.truth[1 : n + 1]), np.stack(record.predicted)], axis=2)
+    big = pairs.repeat(scale, axis=1).repeat(scale, axis=2)
+    write_mp4(big, path, fps=round(fps))
+    print(f"wrote {path}: {n} frames, truth left, prediction right")
+
+
+async def run(args: argparse.Namespace) -> int:
+    world = PushTWorld(64)
+    first = world.reset(args.seed)
+    policy = ScriptedPolicy(args.policy_seed if args.policy_seed is not None else 500_000 + args.seed)
+    record = LoopRecord(first)
+    async with open_session(args, first) as client:
         info = client.info
         if (info.width, info.height) != (64, 64):
             print(f"error: the server's pusht model makes {info.width}x{info.height} frames; expected 64x64")
             return 1
-        fpc = info.frames_per_chunk
-        chunks = client.chunks()
         print(
             f"session {info.session_id}: pusht, kv_mode {info.kv_mode}, "
-            f"{fpc} frames per chunk at {info.fps} fps"
+            f"{info.frames_per_chunk} frames per chunk at {info.fps} fps"
         )
         print(" chunk  frames  loop ms  server ms   PSNR dB  agent px  block px")
-        for c in range(args.chunks):
-            actions = []
-            for _ in range(fpc):
-                actions.append(policy(world.scene))
-                truth.append(world.step(actions[-1]))
-            sent = time.monotonic()
-            await client.send_actions(np.asarray(actions), frame=c * fpc)
-            try:
-                chunk = await anext(chunks)
-            except StopAsyncIteration:
-                print(f"error: the session ended after {c} chunks ({client.done_reason})")
-                return 1
-            latency = (time.monotonic() - sent) * 1000
-            frames = chunk.frames
-            predicted.extend(frames)
-            real = truth[chunk.first_frame : chunk.first_frame + chunk.num_frames]
-            scores = [psnr(p, t) for p, t in zip(frames, real, strict=True)]
-            found = [(locate(p), locate(t)) for p, t in zip(frames, real, strict=True)]
-            agent = _mean([_distance(p.agent, t.agent) for p, t in found])
-            block = _mean([_distance(p.block, t.block) for p, t in found])
-            rows.append((latency, np.mean(scores), agent, block))
-            print(
-                f"{chunk.index:6d}  {chunk.first_frame:2d}-{chunk.first_frame + chunk.num_frames - 1:<3d}"
-                f"{latency:9.0f}  {chunk.timings.get('total', float('nan')):9.0f}  {np.mean(scores):8.2f}"
-                f"  {agent:8.2f}  {block:8.2f}"
-            )
-        async for _ in chunks:  # session.done
-            pass
-    lat = np.array([r[0] for r in rows])
+        if not await run_chunks(client, args.chunks, world, policy, record):
+            return 1
+    lat = np.array([r[0] for r in record.rows])
     print(
         f"loop latency: median {np.median(lat):.0f} ms, max {lat.max():.0f} ms; "
-        f"mean PSNR {np.mean([r[1] for r in rows]):.2f} dB (frames in px of a 64x64 frame; nan: not visible)"
+        f"mean PSNR {np.mean([r[1] for r in record.rows]):.2f} dB "
+        "(frames in px of a 64x64 frame; nan: not visible)"
     )
     if args.video:
-        from streamworld.media import write_mp4
-
-        n = len(predicted)
-        pairs = np.concatenate([np.stack(truth[1 : n + 1]), np.stack(predicted)], axis=2)
-        big = pairs.repeat(args.scale, axis=1).repeat(args.scale, axis=2)
-        write_mp4(big, args.video, fps=round(info.fps))
-        print(f"wrote {args.video}: {n} frames, truth left, prediction right")
+        write_side_by_side(args.video, record, args.scale, info.fps)
     return 0
 
 

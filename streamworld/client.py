@@ -168,6 +168,15 @@ class _EndOfStream:
     error: StreamWorldError | None
 
 
+@dataclass
+class _ChunkSequence:
+    """Where the reader is in the chunk stream: the metadata awaiting its payload, the next chunk due."""
+
+    pending: dict[str, Any] | None = None
+    next_index: int = 0
+    next_frame: int | None = None  # None until the first chunk fixes it
+
+
 def _json(message: dict[str, Any]) -> str:
     return json.dumps(message, allow_nan=False, separators=(",", ":"))
 
@@ -387,50 +396,14 @@ class StreamWorldClient:
     async def _read_loop(self) -> None:
         """Owns the receive side: pairs chunk metadata with payloads, answers pings, ends the stream."""
         assert self._ws is not None and self.info is not None
-        pending: dict[str, Any] | None = None
-        next_index, next_frame = 0, None
+        sequence = _ChunkSequence()
         try:
             while True:
                 data = await self._ws.recv()
                 if isinstance(data, bytes):
-                    if pending is None:
-                        raise StreamWorldError(
-                            "protocol", f"a binary message of {len(data)} bytes without chunk"
-                        )
-                    if len(data) != pending["bytes"]:
-                        raise StreamWorldError(
-                            "protocol",
-                            f"chunk {pending['index']}: payload of {len(data)} bytes, not {pending['bytes']}",
-                        )
-                    self._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
-                    self.chunks_received += 1
-                    pending = None
-                    continue
-                message = self._parse(data)
-                kind = message["type"]
-                if kind == "chunk":
-                    if pending is not None:
-                        raise StreamWorldError("protocol", f"chunk {pending['index']} has no payload")
-                    self._check_chunk(message, next_index, next_frame)
-                    next_index = message["index"] + 1
-                    next_frame = message["first_frame"] + message["num_frames"]
-                    pending = message
-                elif kind == "pong":
-                    waiters = self._pongs.get(_pong_key(message.get("id")))
-                    if waiters:
-                        waiter = waiters.pop(0)
-                        if not waiter.done():
-                            waiter.set_result(None)
-                elif kind == "error":
-                    self.errors.append(self._error_from(message))
-                elif kind == "session.done":
-                    self._state = "done"
-                    self.done_reason = message.get("reason")
-                    self.chunks_done = message.get("chunks")
-                    self._end(self._session_error() if self.done_reason == "error" else None)
-                elif kind == "session.queued":
-                    self.queue_position = message.get("position")
-                # Other types are ignored: the protocol grows by adding them.
+                    self._take_payload(sequence, data)
+                else:
+                    self._take_message(sequence, self._parse(data))
         except ConnectionClosed as closed:
             if not self._closing:
                 self._end(self._session_error(closed))
@@ -441,11 +414,61 @@ class StreamWorldClient:
         finally:
             self._end(None)
             self._state = "closed"
-            for waiters in self._pongs.values():
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_exception(StreamWorldError("connection_closed", "the connection closed"))
-            self._pongs.clear()
+            self._fail_pong_waiters()
+
+    def _take_payload(self, sequence: _ChunkSequence, data: bytes) -> None:
+        """Queues the binary payload of the chunk whose metadata came just before it."""
+        pending = sequence.pending
+        if pending is None:
+            raise StreamWorldError("protocol", f"a binary message of {len(data)} bytes without chunk")
+        if len(data) != pending["bytes"]:
+            raise StreamWorldError(
+                "protocol",
+                f"chunk {pending['index']}: payload of {len(data)} bytes, not {pending['bytes']}",
+            )
+        self._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
+        self.chunks_received += 1
+        sequence.pending = None
+
+    def _take_message(self, sequence: _ChunkSequence, message: dict[str, Any]) -> None:
+        kind = message["type"]
+        if kind == "chunk":
+            self._take_chunk_meta(sequence, message)
+        elif kind == "pong":
+            self._resolve_pong(message)
+        elif kind == "error":
+            self.errors.append(self._error_from(message))
+        elif kind == "session.done":
+            self._state = "done"
+            self.done_reason = message.get("reason")
+            self.chunks_done = message.get("chunks")
+            self._end(self._session_error() if self.done_reason == "error" else None)
+        elif kind == "session.queued":
+            self.queue_position = message.get("position")
+        # Other types are ignored: the protocol grows by adding them.
+
+    def _take_chunk_meta(self, sequence: _ChunkSequence, meta: dict[str, Any]) -> None:
+        if sequence.pending is not None:
+            raise StreamWorldError("protocol", f"chunk {sequence.pending['index']} has no payload")
+        self._check_chunk(meta, sequence.next_index, sequence.next_frame)
+        sequence.next_index = meta["index"] + 1
+        sequence.next_frame = meta["first_frame"] + meta["num_frames"]
+        sequence.pending = meta
+
+    def _resolve_pong(self, message: dict[str, Any]) -> None:
+        """Wakes the oldest `ping()` still waiting on this id."""
+        waiters = self._pongs.get(_pong_key(message.get("id")))
+        if waiters:
+            waiter = waiters.pop(0)
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _fail_pong_waiters(self) -> None:
+        for waiters in self._pongs.values():
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_exception(StreamWorldError("connection_closed", "the connection closed"))
+        self._pongs.clear()
 
     def _check_chunk(self, meta: dict[str, Any], index: int, first_frame: int | None) -> None:
         where = f"chunk {meta.get('index')}"

@@ -79,7 +79,9 @@ class Session:
         self.ws = ws
         self.id = session_id
         self.transport = transport
-        self.sender = Sender(ws, ctx.limits.slow_client_timeout_s, self.abort, f"session {session_id}")
+        self.sender = Sender(
+            ws, ctx.limits.slow_client_timeout_s, self._drop_slow_client, f"session {session_id}"
+        )
         self.start: SessionStart | None = None
         self.cfg: ModelConfig | None = None
         # What the server's own first frame shows (models with an environment), for session.started.
@@ -116,6 +118,14 @@ class Session:
         if self.transport is not None:
             self.transport.abort()
 
+    def _drop_slow_client(self) -> None:
+        """A send timed out: counted as an error (docs/protocol.md) before the reader can see the
+        connection drop and count the client as gone."""
+        if self.observed is not None and self.end_reason != "cancelled":
+            self.end_reason = "error"
+            self._finish("error")
+        self.abort()
+
     def shutdown(self) -> None:
         """Server shutdown: drop the work in flight, then session.done (stopped) and close."""
         if self.handle is not None and self.end_reason is None:
@@ -130,6 +140,12 @@ class Session:
         """The whole session; whatever happens, its stream is cancelled when this returns."""
         try:
             await self._run()
+        except CLIENT_GONE as e:
+            # A client leaving (or cut off) is no server error: nothing more can reach it.
+            log.info("session %s: the client went away (%s)", self.id, e)
+            if self.observed is not None and self.end_reason is None:
+                self.end_reason = "cancelled"
+                self._finish("cancelled")
         except Exception:
             log.exception("session %s failed", self.id)
             with contextlib.suppress(Exception):

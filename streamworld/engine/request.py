@@ -14,6 +14,9 @@ PRIORITY_CLASSES = {"interactive": 0, "standard": 1, "batch": 2}
 # hold: frames past the known actions repeat the last one; wait: a chunk starts only once
 # the actions of all its frames are known.
 ACTION_POLICIES = ("hold", "wait")
+# Chunks one stream may ask for; None asks for an open-ended stream. The wire protocol
+# (server/protocol.py) holds the same bound.
+MAX_NUM_CHUNKS = 10**6
 
 
 class Overloaded(RuntimeError):
@@ -57,8 +60,8 @@ def validate(
         raise ValueError(
             f"kv_mode {kv_mode!r} is not supported by {config.id}; use one of {list(config.kv_modes)}"
         )
-    if num_chunks is not None and num_chunks < 1:
-        raise ValueError("num_chunks must be at least 1")
+    if num_chunks is not None and not 1 <= num_chunks <= MAX_NUM_CHUNKS:
+        raise ValueError("num_chunks must be from 1 to 10**6 (or None for an open-ended stream)")
     if config.needs_image and image is None:
         raise ValueError(f"model {config.id} needs a first image")
     if not config.needs_image and image is not None:

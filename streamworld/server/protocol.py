@@ -23,6 +23,16 @@ from ..models.config import ModelConfig
 
 PRIORITIES = tuple(PRIORITY_CLASSES)
 MAX_IMAGE_PIXELS = 4096 * 4096
+# Longest `type` accepted; every known type is far shorter, and unknown ones are echoed.
+MAX_TYPE_CHARS = 64
+# Client text quoted in an error message is cut to this many characters.
+MAX_ECHO_CHARS = 64
+# A ping `id` is echoed: a string of at most this many characters, or another JSON value
+# whose JSON text is at most this long.
+MAX_PING_ID_CHARS = 128
+# Chunks one session may ask for (about 9 hours at 16 fps and 12 frames a chunk); null asks
+# for an open-ended stream. The engine's `validate` holds the same bound for Python callers.
+MAX_NUM_CHUNKS = 10**6
 
 CLOSE_OK = 1000
 CLOSE_GOING_AWAY = 1001
@@ -64,9 +74,28 @@ class ActionMessage:
     frame: int | None
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not standard JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {_excerpt(text)} is too large")
+    return value
+
+
+def _excerpt(text: str) -> str:
+    """Client text to quote in a message: repr, cut to MAX_ECHO_CHARS characters."""
+    if len(text) > MAX_ECHO_CHARS:
+        return repr(text[:MAX_ECHO_CHARS]) + f" (cut from {len(text)} characters)"
+    return repr(text)
+
+
 def parse_json(text: str) -> dict[str, Any]:
+    """A client text message; standard JSON only (no NaN, Infinity or numbers that overflow)."""
     try:
-        msg = json.loads(text)
+        msg = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, and integers too long to parse
         raise ProtocolError("bad_request", f"message is not valid JSON: {e}") from None
     if not isinstance(msg, dict):
@@ -74,6 +103,10 @@ def parse_json(text: str) -> dict[str, Any]:
     kind = msg.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("bad_request", "a message needs a string 'type' field")
+    if len(kind) > MAX_TYPE_CHARS:
+        raise ProtocolError(
+            "bad_request", f"unknown message type {_excerpt(kind)}: at most {MAX_TYPE_CHARS} characters"
+        )
     return msg
 
 
@@ -92,7 +125,7 @@ def _field(msg: dict, name: str, kinds: tuple[type, ...], what: str, default: An
 def _choice(msg: dict, name: str, choices: tuple[str, ...], default: str, code: str = "bad_request") -> str:
     value = _field(msg, name, (str,), "a string", default)
     if value not in choices:
-        raise ProtocolError(code, f"'{name}' must be one of {', '.join(choices)}; got {value!r}")
+        raise ProtocolError(code, f"'{name}' must be one of {', '.join(choices)}; got {_excerpt(value)}")
     return value
 
 
@@ -100,10 +133,14 @@ def parse_session_start(
     msg: dict[str, Any], models: dict[str, ModelConfig], default_model: str
 ) -> SessionStart:
     if msg["type"] != "session.start":
-        raise ProtocolError("bad_request", f"the first message must be 'session.start', got {msg['type']!r}")
+        raise ProtocolError(
+            "bad_request", f"the first message must be 'session.start', got {_excerpt(msg['type'])}"
+        )
     model_id = _field(msg, "model", (str,), "a string", default_model)
     if model_id not in models:
-        raise ProtocolError("unsupported", f"model {model_id!r} is not served; served: {', '.join(models)}")
+        raise ProtocolError(
+            "unsupported", f"model {_excerpt(model_id)} is not served; served: {', '.join(models)}"
+        )
     cfg = models[model_id]
     prompt = _field(msg, "prompt", (str,), "a string", "")
     if prompt and not cfg.takes_prompt:
@@ -114,9 +151,9 @@ def parse_session_start(
     elif not 0 <= seed < 2**63:
         raise ProtocolError("bad_request", "'seed' must be between 0 and 2**63 - 1")
     num_chunks = _field(msg, "num_chunks", (int,), "an integer or null", None)
-    if num_chunks is not None and num_chunks < 1:
+    if num_chunks is not None and not 1 <= num_chunks <= MAX_NUM_CHUNKS:
         raise ProtocolError(
-            "bad_request", "'num_chunks' must be at least 1 (or null for an open-ended stream)"
+            "bad_request", "'num_chunks' must be from 1 to 10**6 (or null for an open-ended stream)"
         )
     fmt = _choice(msg, "format", FORMATS, "jpeg", code="unsupported")
     priority = _choice(msg, "priority", PRIORITIES, "standard")
@@ -217,7 +254,16 @@ def error(code: str, message: str) -> dict[str, str]:
 
 
 def pong(ping: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "pong", "id": ping.get("id")}
+    """The reply to a ping; ProtocolError when its `id` is too long to echo."""
+    ping_id = ping.get("id")
+    text = ping_id if isinstance(ping_id, str) else json.dumps(ping_id, ensure_ascii=False)
+    if len(text) > MAX_PING_ID_CHARS:
+        raise ProtocolError(
+            "bad_request",
+            f"a ping 'id' must be a string of at most {MAX_PING_ID_CHARS} characters "
+            f"or a JSON value at most {MAX_PING_ID_CHARS} characters long",
+        )
+    return {"type": "pong", "id": ping_id}
 
 
 def session_queued(position: int) -> dict[str, Any]:

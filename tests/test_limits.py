@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import websockets
 
@@ -125,3 +126,30 @@ def test_num_chunks_up_to_the_bound_or_null_is_accepted():
         start = protocol.parse_session_start({"type": "session.start", "num_chunks": n}, MODELS, "tiny-wan")
         assert start.num_chunks == n
         validate(MODELS["tiny-wan"], num_chunks=n, image=None, actions=None, kv_mode=None)
+
+
+# --- action values ----------------------------------------------------------------------------
+def action_message(*values: float) -> dict:
+    return {"type": "action", "actions": [[v, 0.0] for v in values]}
+
+
+@pytest.mark.parametrize("value", [1e15, -1e15, 3.0000001, -3.5, 1e38])
+def test_an_action_far_outside_the_models_range_is_refused(value):
+    cfg = MODELS["tiny-act"]  # action_range (-1, 1): values in [-3, 3] are accepted
+    message = refusal(protocol.parse_action, action_message(0.5, value), cfg.action_dim, cfg.action_range)
+    assert "[-3, 3]" in message
+    with pytest.raises(ValueError, match="range"):
+        validate(cfg, num_chunks=1, image=None, actions=np.array([[value, 0.0]]), kv_mode=None)
+
+
+def test_actions_within_the_margin_around_the_range_are_accepted():
+    cfg = MODELS["tiny-act"]
+    values = (-3.0, -1.0, 0.0, 1.0, 2.9, 3.0)
+    parsed = protocol.parse_action(action_message(*values), cfg.action_dim, cfg.action_range)
+    assert parsed.actions[:, 0].tolist() == pytest.approx(values)
+    validate(cfg, num_chunks=1, image=None, actions=parsed.actions, kv_mode=None)
+
+
+def test_the_accepted_range_is_the_model_range_widened_by_its_width_on_each_side():
+    assert tiny_config(action_range=(0.0, 512.0)).accepted_action_range == (-512.0, 1024.0)
+    assert tiny_config().accepted_action_range == (-3.0, 3.0)

@@ -73,11 +73,20 @@ def validate(
             raise ValueError(f"model {config.id} takes no actions")
         if np.asarray(actions).ndim != 2 or np.asarray(actions).shape[1] != config.action_dim:
             raise ValueError(f"actions must be a list of vectors of length {config.action_dim}")
+        check_action_values(config, actions)
     if priority not in PRIORITY_CLASSES:
         raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)}")
     if action_policy not in ACTION_POLICIES:
         raise ValueError(f"action_policy must be one of {list(ACTION_POLICIES)}")
     return kv_mode
+
+
+def check_action_values(config: ModelConfig, actions: np.ndarray) -> None:
+    """ValueError unless every value is finite and in the model's accepted action range."""
+    arr = np.asarray(actions, dtype=np.float64)
+    low, high = config.accepted_action_range
+    if arr.size and not (np.isfinite(arr).all() and low <= arr.min() and arr.max() <= high):
+        raise ValueError(f"action values must be finite and in the range [{low:g}, {high:g}] of {config.id}")
 
 
 def validate_stream_request(config: ModelConfig, request: StreamRequest) -> str:

@@ -46,6 +46,8 @@ class ModelConfig:
     window_frames: int = 18
     action_dim: int = 0
     # The range of action values the model was trained on (mapped to [-1, 1] inside it).
+    # Clients may send values up to one range width beyond it on either side
+    # (`accepted_action_range`); values further out are refused, not fed to the model.
     action_range: tuple[float, float] = (-1.0, 1.0)
     # 2-d actions that are positions in the frame (x along the width, y down the height, both
     # spanning action_range) are also embedded per token (models/actions.py).
@@ -81,6 +83,11 @@ class ModelConfig:
             raise ValueError(f"{self.id}: latent size must be a multiple of the patch size {self.patch_size}")
 
     # --- geometry -------------------------------------------------------------------
+    @property
+    def accepted_action_range(self) -> tuple[float, float]:
+        """The action values a request may hold (see `widened_action_range`)."""
+        return widened_action_range(self.action_range)
+
     @property
     def pixel_space(self) -> bool:
         """True when the latents are the frames themselves (no autoencoder)."""
@@ -179,3 +186,14 @@ class ModelConfig:
             "denoising_steps": self.num_steps,
             "description": self.description,
         }
+
+
+def widened_action_range(action_range: tuple[float, float]) -> tuple[float, float]:
+    """(low, high) widened by its width on each side: (-1, 1) -> (-3, 3), (0, 512) -> (-512, 1024).
+
+    The margin lets a controller overshoot its target; far outside it the model's input
+    embedding leaves what it was trained on (1e15 made the output non-finite).
+    """
+    low, high = action_range
+    width = high - low
+    return (low - width, high + width)

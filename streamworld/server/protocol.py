@@ -19,7 +19,7 @@ import numpy as np
 
 from ..engine import ACTION_POLICIES, PRIORITY_CLASSES, ChunkOutput
 from ..media import FORMATS
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, widened_action_range
 
 PRIORITIES = tuple(PRIORITY_CLASSES)
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -197,7 +197,11 @@ def decode_image(data: str, width: int, height: int) -> np.ndarray:
 MAX_ACTIONS_PER_MESSAGE = 4096
 
 
-def parse_action(msg: dict[str, Any], action_dim: int) -> ActionMessage:
+def parse_action(
+    msg: dict[str, Any], action_dim: int, action_range: tuple[float, float] | None = None
+) -> ActionMessage:
+    """An `action` message; with the model's `action_range`, values outside its widened range
+    (`ModelConfig.accepted_action_range`) are refused."""
     if action_dim == 0:
         raise ProtocolError("bad_request", "this model takes no actions")
     actions = msg.get("actions")
@@ -216,6 +220,10 @@ def parse_action(msg: dict[str, Any], action_dim: int) -> ActionMessage:
         raise ProtocolError("bad_request", "actions must hold finite numbers") from None
     if not np.isfinite(arr).all() or np.abs(arr).max() > 3.0e38:
         raise ProtocolError("bad_request", "actions must hold finite numbers")
+    if action_range is not None:
+        low, high = widened_action_range(action_range)
+        if arr.min() < low or arr.max() > high:
+            raise ProtocolError("bad_request", f"action values must be in [{low:g}, {high:g}] for this model")
     frame = _field(msg, "frame", (int,), "an integer", None)
     if frame is not None and not 0 <= frame < 2**53:
         raise ProtocolError("bad_request", "'frame' must be >= 0")

@@ -46,7 +46,7 @@ class ModelConfig:
     window_frames: int = 18
     action_dim: int = 0
     # The range of action values the model was trained on (mapped to [-1, 1] inside it).
-    # Clients may send values up to one range width beyond it on either side
+    # Clients may send values up to two range widths beyond it on either side
     # (`accepted_action_range`); values further out are refused, not fed to the model.
     action_range: tuple[float, float] = (-1.0, 1.0)
     # 2-d actions that are positions in the frame (x along the width, y down the height, both
@@ -189,11 +189,11 @@ class ModelConfig:
 
 
 def widened_action_range(action_range: tuple[float, float]) -> tuple[float, float]:
-    """(low, high) widened by its width on each side: (-1, 1) -> (-3, 3), (0, 512) -> (-512, 1024).
+    """(low, high) widened by twice its width on each side: (-1, 1) -> (-5, 5), (0, 512) -> (-1024, 1536).
 
-    The margin lets a controller overshoot its target; far outside it the model's input
-    embedding leaves what it was trained on (1e15 made the output non-finite).
+    The margin admits a controller's overshoot and unit-normal test actions; far outside it
+    the model's input embedding leaves what it was trained on (1e15 made the output non-finite).
     """
     low, high = action_range
     width = high - low
-    return (low - width, high + width)
+    return (low - 2 * width, high + 2 * width)

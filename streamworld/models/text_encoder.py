@@ -3,7 +3,8 @@
 `TextEncoder` turns a prompt into the `[text_len, text_dim]` context the Wan DiT
 cross-attends to: the encoder's hidden states for the prompt's real tokens, followed by
 zero rows up to `text_len` (Wan's convention). Prompts repeat across streams and requests,
-so results are kept in a small LRU cache. Tiny test models use `ByteTokenizer`; real umT5
+so results are kept in a small LRU cache, bounded by entries and by bytes (keys and tensors
+together; `PromptCache`). Tiny test models use `ByteTokenizer`; real umT5
 weights come with their own tokenizer files.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import html
 import re
+import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +30,56 @@ BYTE_OFFSET = 3
 BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 
 _TOKENIZER_FILES = ("tokenizer.json", "spiece.model", "tokenizer_config.json")
+# Default byte budget of the embedding cache: 64 umT5-XXL embeddings (512 x 4096 bf16, 4 MiB each).
+DEFAULT_CACHE_BYTES = 256 * 2**20
+
+V = TypeVar("V")
+
+
+class PromptCache(Generic[V]):
+    """An LRU map from prompt to tensors, holding at most `max_entries` entries and
+    `max_bytes` bytes (the key's string object plus the tensors' storage). An entry larger
+    than `max_bytes` on its own is not kept. Not thread-safe: callers hold their own lock."""
+
+    def __init__(self, max_entries: int, max_bytes: int, tensors: Callable[[V], Iterable[Tensor]]) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._tensors = tensors
+        self._entries: OrderedDict[str, tuple[V, int]] = OrderedDict()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, key: str) -> V | None:
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: str, value: V) -> None:
+        self.discard(key)
+        size = sys.getsizeof(key) + sum(t.nbytes for t in self._tensors(value))
+        if self.max_entries < 1 or size > self.max_bytes:
+            return
+        self._entries[key] = (value, size)
+        self.nbytes += size
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            _, (_, evicted) = self._entries.popitem(last=False)
+            self.nbytes -= evicted
+
+    def discard(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
 
 
 class ByteTokenizer:
@@ -71,6 +123,8 @@ class PromptCacheInfo(NamedTuple):
     misses: int
     maxsize: int
     currsize: int
+    maxbytes: int = 0
+    currbytes: int = 0
 
 
 def clean_prompt(prompt: str) -> str:
@@ -89,6 +143,7 @@ class TextEncoder:
         *,
         text_len: int,
         cache_size: int = 64,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         if text_len < 1:
             raise ValueError(f"text_len must be positive, got {text_len}")
@@ -96,7 +151,7 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.text_len = text_len
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, Tensor] = OrderedDict()
+        self._cache: PromptCache[Tensor] = PromptCache(cache_size, cache_bytes, lambda t: (t,))
         self._hits = 0
         self._misses = 0
         self._lock = threading.Lock()
@@ -179,7 +234,6 @@ class TextEncoder:
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(key)
                 self._hits += 1
                 return cached
             self._misses += 1
@@ -189,16 +243,13 @@ class TextEncoder:
             # Not cached: a later request for the prompt tries again.
             raise ValueError("the text encoder gave non-finite values for this prompt")
         with self._lock:
-            if self.cache_size > 0:
-                self._cache[key] = embedding
-                self._cache.move_to_end(key)
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+            self._cache.put(key, embedding)
         return embedding
 
     def cache_info(self) -> PromptCacheInfo:
         with self._lock:
-            return PromptCacheInfo(self._hits, self._misses, self.cache_size, len(self._cache))
+            c = self._cache
+            return PromptCacheInfo(self._hits, self._misses, c.max_entries, len(c), c.max_bytes, c.nbytes)
 
     def clear_cache(self) -> None:
         with self._lock:

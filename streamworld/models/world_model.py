@@ -8,7 +8,6 @@ weight paths unless random weights are asked for explicitly (benchmarks).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from .config import ModelConfig
 from .lite_decoder import LiteDecoder, load_lite_decoder
 from .pixels import PixelCodec
 from .schedule import FlowSchedule
-from .text_encoder import TextEncoder
+from .text_encoder import PromptCache, TextEncoder
 from .vae import StreamingVAE
 
 # Modules that stay float32 when the model runs in bf16/fp16 (small, precision-sensitive).
@@ -79,6 +78,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
 
 
+# Default byte budget of the cross-attention K/V cache (on the model's device): about 21
+# prompts of Wan 2.1 1.3B (30 blocks x K and V x 512 x 1536 bf16, 94 MiB each).
+DEFAULT_TEXT_CACHE_BYTES = 2 * 2**30
+
+
 class WorldModel:
     def __init__(
         self,
@@ -89,6 +93,7 @@ class WorldModel:
         device: torch.device,
         dtype: torch.dtype,
         text_cache_size: int = 64,
+        text_cache_bytes: int = DEFAULT_TEXT_CACHE_BYTES,
     ) -> None:
         self.config = config
         self.dit = dit
@@ -99,8 +104,9 @@ class WorldModel:
         self.schedule = FlowSchedule.build(
             config.denoising_steps, config.timestep_shift, config.warp_denoising_steps, config.prediction
         )
-        self._text_cache: OrderedDict[str, CrossKV] = OrderedDict()
-        self._text_cache_size = text_cache_size
+        self._text_cache: PromptCache[CrossKV] = PromptCache(
+            text_cache_size, text_cache_bytes, lambda ctx: (*ctx.keys, *ctx.values)
+        )
         self._text_lock = threading.Lock()
 
     @classmethod
@@ -210,11 +216,11 @@ class WorldModel:
 
     # --- prompts ----------------------------------------------------------------------------
     def text_context(self, prompt: str) -> CrossKV:
-        """Cross-attention K/V for a prompt, computed once and cached (LRU)."""
+        """Cross-attention K/V for a prompt, computed once and cached (LRU, bounded by entries
+        and by bytes of keys and K/V: `text_cache_usage`)."""
         with self._text_lock:
             hit = self._text_cache.get(prompt)
             if hit is not None:
-                self._text_cache.move_to_end(prompt)
                 return hit
         with torch.inference_mode():
             if self.text_encoder is None:
@@ -225,10 +231,13 @@ class WorldModel:
             if not bool(torch.stack([torch.isfinite(k).all() for k in (*ctx.keys, *ctx.values)]).all()):
                 raise ValueError("the prompt's cross-attention K/V have non-finite values")  # not cached
         with self._text_lock:
-            self._text_cache[prompt] = ctx
-            while len(self._text_cache) > self._text_cache_size:
-                self._text_cache.popitem(last=False)
+            self._text_cache.put(prompt, ctx)
         return ctx
+
+    def text_cache_usage(self) -> tuple[int, int]:
+        """(prompts cached, bytes they hold: keys and K/V)."""
+        with self._text_lock:
+            return len(self._text_cache), self._text_cache.nbytes
 
     def latent_shape(self, num_frames: int) -> tuple[int, int, int, int]:
         c = self.config

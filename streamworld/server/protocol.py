@@ -22,7 +22,24 @@ from ..media import FORMATS
 from ..models.config import ModelConfig, widened_action_range
 
 PRIORITIES = tuple(PRIORITY_CLASSES)
-MAX_IMAGE_PIXELS = 4096 * 4096
+# First-frame images: what one decode may cost. The base64 text is at most 8 MiB (a file of
+# at most 6 MiB); each side at most 4096 pixels and the longer at most 8 times the shorter,
+# checked in the header before any pixel is decoded; at most 8 Mi pixels decoded (a JPEG is
+# decoded at a reduced size when that is enough for the model, a progressive JPEG is held
+# at full size) with 8-bit samples (16-bit greyscale is refused; 16-bit colour PNGs are read
+# as 8 bits). Pixel buffers then stay under 4 bytes decoded + 3 bytes RGB per pixel: the
+# whole decode costs at most MAX_IMAGE_DECODE_BYTES.
+MAX_IMAGE_BASE64_CHARS = 8 * 2**20
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_ASPECT = 8
+MAX_IMAGE_PIXELS = 2**23
+MAX_IMAGE_DECODE_BYTES = 64 * 2**20
+# zTXt, iTXt and iCCP chunks each inflate to up to 1 MiB in Pillow.
+MAX_PNG_COMPRESSED_METADATA = 8
+_IMAGE_MODES = ("1", "L", "P", "LA", "PA", "RGB", "RGBA")
+# Decodes one server should run at once (the session holds a semaphore of this size):
+# together they cost at most this many times MAX_IMAGE_DECODE_BYTES.
+MAX_CONCURRENT_IMAGE_DECODES = 2
 # Longest `type` accepted; every known type is far shorter, and unknown ones are echoed.
 MAX_TYPE_CHARS = 64
 # Client text quoted in an error message is cut to this many characters.
@@ -33,6 +50,9 @@ MAX_PING_ID_CHARS = 128
 # Chunks one session may ask for (about 9 hours at 16 fps and 12 frames a chunk); null asks
 # for an open-ended stream. The engine's `validate` holds the same bound for Python callers.
 MAX_NUM_CHUNKS = 10**6
+# Longest prompt, in bytes of UTF-8: room for 4096 characters of any script, while the text
+# encoder reads at most 512 tokens (about 2,000 English characters) of it anyway.
+MAX_PROMPT_BYTES = 16 * 1024
 
 CLOSE_OK = 1000
 CLOSE_GOING_AWAY = 1001
@@ -142,7 +162,7 @@ def parse_session_start(
             "unsupported", f"model {_excerpt(model_id)} is not served; served: {', '.join(models)}"
         )
     cfg = models[model_id]
-    prompt = _field(msg, "prompt", (str,), "a string", "")
+    prompt = _checked_prompt(_field(msg, "prompt", (str,), "a string", ""))
     if prompt and not cfg.takes_prompt:
         raise ProtocolError("bad_request", f"model {model_id} takes no prompt")
     seed = _field(msg, "seed", (int,), "an integer", None)
@@ -169,29 +189,81 @@ def parse_session_start(
 
 
 def decode_image(data: str, width: int, height: int) -> np.ndarray:
-    """base64 PNG/JPEG (optionally a data: URL) -> uint8 [height, width, 3], resized if needed."""
+    """base64 PNG/JPEG (optionally a data: URL) -> uint8 [height, width, 3], resized if needed.
+
+    Bounded before decoding (see MAX_IMAGE_DECODE_BYTES); every refusal is a bad_request.
+    """
     from PIL import Image, UnidentifiedImageError
 
     if data.startswith("data:"):
-        data = data.split(",", 1)[-1]
+        data = data.partition(",")[2]
+    if len(data) > MAX_IMAGE_BASE64_CHARS:
+        raise ProtocolError("bad_request", "'image' is longer than 8 MiB of base64 (a file of at most 6 MiB)")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise ProtocolError("bad_request", "'image' is not valid base64") from None
+    if raw.startswith(PNG_SIGNATURE):
+        _check_png_metadata(raw)
     try:
-        with Image.open(io.BytesIO(raw)) as img:
-            if img.format not in ("PNG", "JPEG"):
-                raise ProtocolError("bad_request", f"'image' must be PNG or JPEG, got {img.format}")
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise ProtocolError(
-                    "bad_request", f"'image' is {img.width}x{img.height}; at most 4096x4096 pixels"
-                )
-            rgb = img.convert("RGB")
+        with Image.open(io.BytesIO(raw), formats=("PNG", "JPEG")) as img:
+            _check_image_header(img, width, height)
+            img.load()
+            rgb = img.convert("RGB") if img.mode != "RGB" else img
             if rgb.size != (width, height):
                 rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
             return np.asarray(rgb, dtype=np.uint8).copy()
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
         raise ProtocolError("bad_request", "'image' is not a readable PNG or JPEG") from None
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png_metadata(raw: bytes) -> None:
+    """Refuses a PNG with more compressed metadata chunks than MAX_PNG_COMPRESSED_METADATA."""
+    pos, compressed = len(PNG_SIGNATURE), 0
+    while pos + 8 <= len(raw):
+        length = int.from_bytes(raw[pos : pos + 4], "big")
+        kind = raw[pos + 4 : pos + 8]
+        if kind in (b"zTXt", b"iTXt", b"iCCP"):
+            compressed += 1
+            if compressed > MAX_PNG_COMPRESSED_METADATA:
+                raise ProtocolError(
+                    "bad_request",
+                    f"'image' has more than {MAX_PNG_COMPRESSED_METADATA} compressed metadata chunks",
+                )
+        if kind == b"IEND":
+            return
+        pos += 12 + length
+
+
+def _check_image_header(img: Any, width: int, height: int) -> None:
+    """Size, aspect ratio and sample type from the header; selects a reduced JPEG decode."""
+    w, h = img.size
+    if not (1 <= w <= MAX_IMAGE_SIDE and 1 <= h <= MAX_IMAGE_SIDE) or max(w, h) > MAX_IMAGE_ASPECT * min(
+        w, h
+    ):
+        raise ProtocolError(
+            "bad_request",
+            f"'image' is {w}x{h}; each side must be at most {MAX_IMAGE_SIDE} pixels "
+            f"and the longer at most {MAX_IMAGE_ASPECT} times the shorter",
+        )
+    if img.mode not in _IMAGE_MODES:
+        hint = "16-bit or float samples" if img.mode.startswith(("I", "F")) else f"mode {img.mode}"
+        raise ProtocolError("bad_request", f"'image' has {hint}; send an 8-bit RGB or greyscale image")
+    pixels = w * h
+    if img.format == "JPEG":
+        # libjpeg decodes at 1/2, 1/4 or 1/8 scale; a progressive JPEG still holds all its
+        # coefficients, so only a baseline one gets cheaper.
+        img.draft("RGB", (width, height))
+        if not img.info.get("progressive"):
+            pixels = img.size[0] * img.size[1]
+    if pixels > MAX_IMAGE_PIXELS:
+        raise ProtocolError(
+            "bad_request",
+            f"'image' is {w}x{h}; at most {MAX_IMAGE_PIXELS} pixels (e.g. 4096x2048) are decoded",
+        )
 
 
 MAX_ACTIONS_PER_MESSAGE = 4096
@@ -236,6 +308,21 @@ def parse_prompt(msg: dict[str, Any], takes_prompt: bool) -> str:
     prompt = msg.get("prompt")
     if not isinstance(prompt, str):
         raise ProtocolError("bad_request", "'prompt' must be a string")
+    return _checked_prompt(prompt)
+
+
+def _checked_prompt(prompt: str) -> str:
+    # Cheap length test first: a character is at least one byte of UTF-8.
+    if len(prompt) > MAX_PROMPT_BYTES:
+        raise ProtocolError("bad_request", f"'prompt' is longer than {MAX_PROMPT_BYTES} bytes of UTF-8")
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate, e.g. from the JSON escape "\ud800"
+        raise ProtocolError(
+            "bad_request", "'prompt' is not valid Unicode text (it cannot be UTF-8)"
+        ) from None
+    if size > MAX_PROMPT_BYTES:
+        raise ProtocolError("bad_request", f"'prompt' is longer than {MAX_PROMPT_BYTES} bytes of UTF-8")
     return prompt
 
 

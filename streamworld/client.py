@@ -192,6 +192,7 @@ class StreamWorldClient:
     so the server's defaults apply. `start_fields` are merged into `session.start` last (for
     protocol extensions). `decode=False` skips decoding (`Chunk.frames` is None), for load tests.
     `on_queued(position)` (a function or coroutine function) is called for each `session.queued`.
+    `token` is sent as `Authorization: Bearer <token>` to a server that requires one.
     `ack=True` acknowledges each chunk once the caller asks `chunks()` for the next one (the
     protocol's `ack` extension): the server then keeps this session's lag to a few chunks,
     pausing its stream while the caller is slow, instead of letting chunks pile up in
@@ -225,8 +226,10 @@ class StreamWorldClient:
         max_size: int | None = DEFAULT_MAX_SIZE,
         open_timeout: float | None = 10.0,
         start_timeout: float | None = None,
+        token: str | None = None,
     ) -> None:
         self.url = url
+        self._token = token
         self.format = format
         self.decode = decode
         self.on_queued = on_queued
@@ -310,6 +313,9 @@ class StreamWorldClient:
                 open_timeout=self.open_timeout,
                 # Media payloads do not compress, and deflating them would cost the server CPU.
                 compression=None,
+                additional_headers=None
+                if self._token is None
+                else {"Authorization": f"Bearer {self._token}"},
             )
             await self._ws.send(_json(self.start_message))
             await asyncio.wait_for(self._await_started(), self.start_timeout)

@@ -21,12 +21,17 @@ const stats = {
 };
 window.streamworld = stats;
 
+// A server started with a token: the page's own ?token= is passed on (browsers cannot set an
+// Authorization header on a WebSocket).
+const token = new URLSearchParams(location.search).get("token");
+const tokenQuery = token ? `?token=${encodeURIComponent(token)}` : "";
+
 let models = [];
 let session = null; // the live session, see start()
 
 // --- models -------------------------------------------------------------------------------
 async function loadModels() {
-  const resp = await fetch("/v1/models");
+  const resp = await fetch(`/v1/models${tokenQuery}`);
   models = (await resp.json()).models;
   const select = $("model");
   select.replaceChildren(...models.map((m) => new Option(`${m.id}${m.default ? " (default)" : ""}`, m.id)));
@@ -203,7 +208,7 @@ async function start() {
     else if (!model.has_default_image) return setStatus(`${model.id} needs a first frame: choose an image.`);
   }
 
-  const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/stream`);
+  const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/stream${tokenQuery}`);
   ws.binaryType = "arraybuffer";
   session = {
     ws, model, format, pending: null, decoder: null, player: null, action: null,

@@ -8,6 +8,7 @@ aiohttp application runs until Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -17,7 +18,7 @@ from .errors import UsageError
 if TYPE_CHECKING:
     from ..engine import EngineConfig
     from ..models.world_model import WorldModel
-    from ..server import ServerConfig, SessionLimits
+    from ..server import ServerConfig, SessionLimits, StreamWorldServer
 
 DEFAULT_MODEL = "pusht"
 
@@ -59,7 +60,16 @@ SESSION_LIMIT_FLAGS = (
         int,
         "chunks a client that sends acks may hold unacknowledged before its clock pauses (default 3)",
     ),
+    LimitFlag(
+        "--queue-timeout",
+        "queue_timeout_s",
+        float,
+        "seconds a session may wait in the admission queue before it is refused with error "
+        "overloaded and close 1013 (default 60)",
+    ),
 )
+
+TOKEN_ENV = "STREAMWORLD_AUTH_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-queue", type=int, default=16, help="sessions that may wait for admission (default 16)"
     )
+    access = parser.add_argument_group("who may connect (docs/security.md)")
+    access.add_argument(
+        "--allow-origin",
+        action="append",
+        dest="allowed_origins",
+        metavar="ORIGIN",
+        default=[],
+        help="a browser origin (scheme://host[:port]) whose pages may open streams besides the server's "
+        "own; repeat for several; * allows every origin",
+    )
+    access.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        help=f"require this shared secret on /v1/stream, /v1/models and /metrics (Authorization: Bearer, "
+        f"or ?token=); default: the {TOKEN_ENV} environment variable, else no token",
+    )
+    access.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        metavar="N",
+        help="open WebSocket connections at most; more get HTTP 503 (default 256)",
+    )
     parser.add_argument(
         "--log-level",
         default="info",
@@ -130,13 +163,23 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError("each --model may be given once")
     if args.max_sessions < 1 or args.max_queue < 0:
         raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
+    if args.max_connections < 1:
+        raise UsageError("--max-connections must be at least 1")
+    token = args.auth_token if args.auth_token is not None else os.environ.get(TOKEN_ENV)
+    if token is not None and not token.strip():
+        raise UsageError(f"--auth-token (or {TOKEN_ENV}) must not be empty")
     arguments.check_engine_arguments(args)
     return ServeConfig(
         model_ids=model_ids,
         host=args.host,
         port=args.port,
         engine=arguments.engine_config(args, max_streams=args.max_sessions, max_queue=args.max_queue),
-        server=ServerConfig(limits=session_limits(args)),
+        server=ServerConfig(
+            limits=session_limits(args),
+            max_connections=args.max_connections,
+            allowed_origins=tuple(args.allowed_origins),
+            auth_token=token,
+        ),
     )
 
 
@@ -200,8 +243,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_server(config: ServeConfig, models: dict[str, WorldModel]) -> None:
     import asyncio
 
-    from aiohttp import web
-
     from ..server import StreamWorldServer
 
     server = StreamWorldServer(models, config.engine, config.server, default_model=config.model_ids[0])
@@ -211,13 +252,36 @@ def _run_server(config: ServeConfig, models: dict[str, WorldModel]) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass  # uvloop is optional: asyncio's own loop serves too, a little slower
+    asyncio.run(_serve_until_signal(server, config))
+
+
+async def _serve_until_signal(server: StreamWorldServer, config: ServeConfig) -> None:
+    """Serves until SIGINT or SIGTERM, then drains while the port still listens (/healthz says
+    503, live sessions get session.done) before the port closes."""
+    import asyncio
+    import signal
+
+    from aiohttp import web
+
     host, port = config.host, config.port
-    print(
-        f"StreamWorld serving {', '.join(config.model_ids)} at http://{host}:{port}/ "
-        f"(streams: ws://{host}:{port}/v1/stream); Ctrl-C stops",
-        flush=True,
-    )
+    runner = server.make_runner()
+    await runner.setup()
     try:
-        web.run_app(server.build_app(), host=host, port=port, print=None, shutdown_timeout=10.0)
-    except OSError as e:
-        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        token = " (a token is required)" if config.server.auth_token is not None else ""
+        print(
+            f"StreamWorld serving {', '.join(config.model_ids)} at http://{host}:{port}/ "
+            f"(streams: ws://{host}:{port}/v1/stream){token}; Ctrl-C stops",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.drain()
+    finally:
+        await runner.cleanup()

@@ -6,20 +6,27 @@
     GET /v1/models   served models and their properties
     GET /v1/stream   WebSocket: one connection = one stream (see session.py)
 
-Engines start in `on_startup` and stop in `on_cleanup`; `on_shutdown` (SIGINT/SIGTERM under
-`run_app`) stops admitting and ends every live session with `session.done`.
+Engines start in `on_startup` and stop in `on_cleanup`; `drain()` (SIGINT/SIGTERM, while the
+port still listens, then again from `on_shutdown`) stops admitting and ends every live session
+with `session.done`. Who may connect (origin, token) and the connection bound are checked
+before a WebSocket upgrade; docs/security.md says what that protects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import importlib.util
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..engine import AsyncEngine, EngineConfig
@@ -42,6 +49,90 @@ def find_web_root() -> Path:
 
 
 WEB_ROOT = find_web_root()
+
+# Every response's Server header: no language or library versions for a scanner to match.
+SERVER_NAME = "StreamWorld"
+# Paths that need the token when `ServerConfig.auth_token` is set; /healthz and the demo's
+# static files stay open (load balancers and the page that asks for the token need them).
+TOKEN_PATHS = frozenset({"/v1/stream", "/v1/models", "/metrics"})
+
+
+class AccessLog(AbstractAccessLogger):
+    """One line per request, with the path but not the query string or Referer: a browser's
+    token travels in the query string (`?token=`) and must not reach the log."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.info(
+            "%s %s %s %s %d %.3fs",
+            request.remote,
+            request.method,
+            request.path,
+            response.status,
+            response.body_length,
+            time,
+        )
+
+
+class PlainErrorHandler(web.RequestHandler):
+    """A malformed HTTP request gets a short plain 400 (aiohttp's own echoes the offending
+    bytes) and one info line in the log instead of an ERROR with a traceback: scanners and
+    stray TLS handshakes reach every public port."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        log.info("malformed HTTP request from %s refused: %s", request.remote, type(exc).__name__)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already under way")
+        try:
+            text = f"{status} {HTTPStatus(status).phrase}\n"
+        except ValueError:
+            text = f"{status}\n"
+        response = web.Response(status=status, text=text, headers={"Server": SERVER_NAME})
+        response.force_close()
+        return response
+
+
+class PlainErrorServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return PlainErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class StreamWorldRunner(web.AppRunner):
+    """The runner `streamworld serve` (and the tests) run the app under: a client leaving does
+    not cancel its handler, and malformed requests get `PlainErrorHandler`."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        # aiohttp builds its Server inside setup(); the subclass only swaps the handler type.
+        self.server.__class__ = PlainErrorServer
+
+
+def origin_allowed(origin: str | None, host: str, allowed: tuple[str, ...]) -> bool:
+    """No Origin (not a browser), the server's own host (by http or https: behind a TLS proxy
+    the request arrives as http), or one the operator allowed."""
+    if origin is None or "*" in allowed:
+        return True
+    origin = origin.rstrip("/").lower()
+    if origin in {a.rstrip("/").lower() for a in allowed}:
+        return True
+    scheme, sep, authority = origin.partition("://")
+    return bool(sep) and scheme in ("http", "https") and authority == host.lower()
+
+
+def bearer_token(request: web.Request) -> str:
+    """The token a request carries: `Authorization: Bearer T`, else the `token` query parameter
+    (browsers cannot set headers on a WebSocket)."""
+    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        return value.strip()
+    return request.query.get("token", "")
 
 
 class StreamWorldServer:
@@ -66,6 +157,7 @@ class StreamWorldServer:
             raise ValueError(f"default model {self.default_model!r} is not served")
         self.metrics = Metrics({mid: m.engine for mid, m in self.models.items()})
         self.sessions: set[Session] = set()
+        self.connections = 0  # WebSocket upgrades being served, started sessions or not
         self.encode_pool = ThreadPoolExecutor(
             self.config.encode_threads, thread_name_prefix="streamworld-encode"
         )
@@ -79,7 +171,7 @@ class StreamWorldServer:
 
     # --- application -----------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._require_token])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/v1/models", self.list_models)
@@ -90,14 +182,46 @@ class StreamWorldServer:
         app.on_startup.append(self._startup)
         app.on_shutdown.append(self._shutdown)
         app.on_cleanup.append(self._cleanup)
+        app.on_response_prepare.append(self._name_server)
         return app
+
+    def make_runner(self, shutdown_timeout: float = 10.0) -> StreamWorldRunner:
+        return StreamWorldRunner(
+            self.build_app(),
+            handler_cancellation=False,
+            shutdown_timeout=shutdown_timeout,
+            access_log_class=AccessLog,
+        )
+
+    @web.middleware
+    async def _require_token(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        token = self.config.auth_token
+        resource = request.match_info.route.resource
+        guarded = token is not None and resource is not None and resource.canonical in TOKEN_PATHS
+        if guarded and not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
+            raise web.HTTPUnauthorized(
+                text="401: this server needs a token (Authorization: Bearer, or ?token=)\n",
+                headers={"WWW-Authenticate": 'Bearer realm="streamworld"'},
+            )
+        return await handler(request)
+
+    async def _name_server(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Server"] = SERVER_NAME
 
     async def _startup(self, app: web.Application) -> None:
         for served in self.models.values():
             await served.engine.start()
 
     async def _shutdown(self, app: web.Application) -> None:
-        """Stops admitting, ends live sessions with session.done, drops what does not end."""
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Stops admitting, ends live sessions with session.done, drops what does not end.
+
+        Run while the port still listens, /healthz answers 503 and new upgrades are refused
+        (503) meanwhile, so a load balancer sees the server leave before its port closes."""
         self.context.shutting_down = True
         sessions = list(self.sessions)
         for s in sessions:
@@ -154,6 +278,21 @@ class StreamWorldServer:
         return web.Response(text=html, content_type="text/html")
 
     async def stream(self, request: web.Request) -> web.WebSocketResponse:
+        if not origin_allowed(request.headers.get("Origin"), request.host, self.config.allowed_origins):
+            log.info("WebSocket upgrade from origin %r refused", request.headers.get("Origin"))
+            raise web.HTTPForbidden(text="403: this origin may not open streams here\n")
+        if self.shutting_down:
+            raise web.HTTPServiceUnavailable(text="503: the server is shutting down\n")
+        if self.connections >= self.config.max_connections:
+            log.warning("connection limit (%d) reached; upgrade refused", self.config.max_connections)
+            raise web.HTTPServiceUnavailable(text="503: too many connections; try again later\n")
+        self.connections += 1
+        try:
+            return await self._serve_stream(request)
+        finally:
+            self.connections -= 1
+
+    async def _serve_stream(self, request: web.Request) -> web.WebSocketResponse:
         # No permessage-deflate: media payloads do not compress, and it costs CPU per chunk.
         ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False)
         await ws.prepare(request)

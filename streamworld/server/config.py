@@ -1,8 +1,8 @@
 """The server's own settings and what it serves: `ServerConfig`, `SessionLimits`, `ServedModel`.
 
 Engine settings live in `EngineConfig`; these are the limits the server applies on top (text
-frame size, start timeout, backpressure, shutdown grace) and the model-plus-engine pairs it
-serves.
+frame size, connections, start and queue timeouts, backpressure, shutdown grace), who may
+connect (origins, token), and the model-plus-engine pairs it serves.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ class SessionLimits:
     slow_client_timeout_s: float = 10.0
     # Chunks a client that sends acks may hold unacknowledged before its clock pauses.
     ack_window: int = 3
+    # Seconds a session may wait in the admission queue before it is refused as overloaded.
+    queue_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,12 @@ class ServerConfig:
     encode_threads: int = 2
     limits: SessionLimits = field(default_factory=SessionLimits)
     shutdown_grace_s: float = 5.0
+    # Open WebSocket connections (started or not); upgrades beyond it get HTTP 503.
+    max_connections: int = 256
+    # Browser origins allowed besides the server's own ("*": any); see docs/security.md.
+    allowed_origins: tuple[str, ...] = ()
+    # A shared secret required on /v1/stream, /v1/models and /metrics; None: no token needed.
+    auth_token: str | None = field(default=None, repr=False)
 
 
 @dataclass

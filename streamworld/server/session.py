@@ -60,6 +60,9 @@ class SessionContext:
 
     def __post_init__(self) -> None:
         self.model_configs: dict[str, ModelConfig] = {m: s.model.config for m, s in self.models.items()}
+        # First frames decoded at once, per server: a burst of starts holds a bounded number
+        # of decoded images in memory and threads of the default pool.
+        self.image_decodes = asyncio.Semaphore(protocol.MAX_CONCURRENT_IMAGE_DECODES)
 
 
 def refusal(e: Exception) -> tuple[ProtocolError, int]:
@@ -90,7 +93,8 @@ class Session:
         self.pacing: Pacing | None = None
         self.observed: SessionMetrics | None = None
         self.done = asyncio.Event()
-        # None while running; then "stopped", "error" or "cancelled" (client gone).
+        # None while running; then "stopped", "error", "overloaded" (queued too long) or
+        # "cancelled" (client gone).
         self.end_reason: str | None = None
 
     # --- what the server sees ----------------------------------------------------------------
@@ -216,10 +220,11 @@ class Session:
             return None  # closed, or an oversize frame (aiohttp closes with 1009)
         try:
             parsed = protocol.parse_json(msg.data)
-            # Off the event loop: a first image is decoded here.
-            return await asyncio.to_thread(
-                protocol.parse_session_start, parsed, self.ctx.model_configs, self.ctx.default_model
-            )
+            # Off the event loop, and a bounded number at once: a first image is decoded here.
+            async with self.ctx.image_decodes:
+                return await asyncio.to_thread(
+                    protocol.parse_session_start, parsed, self.ctx.model_configs, self.ctx.default_model
+                )
         except ProtocolError as e:
             await self._fail(e, CLOSE_POLICY)
             return None
@@ -302,15 +307,31 @@ class Session:
     async def _wait_admitted(self) -> bool:
         handle = self.handle
         last_position = None
+        deadline = time.monotonic() + self.ctx.limits.queue_timeout_s
         while handle.queue_position:
             if handle.queue_position != last_position:
                 last_position = handle.queue_position
                 await self.sender.send(protocol.session_queued(last_position))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                await self._refuse_queued_too_long()
+                return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(handle.admitted(), timeout=0.5)
+                await asyncio.wait_for(handle.admitted(), timeout=min(0.5, left))
             if self.ws.closed:
                 return False
         return handle.status == "running"
+
+    async def _refuse_queued_too_long(self) -> None:
+        """Queued past `queue_timeout_s`: leaves the queue and gets the overload reply."""
+        if self.end_reason is not None:
+            return  # stopped or gone meanwhile: that ending stands
+        self.end_reason = "overloaded"
+        self.handle.cancel()
+        self._finish("overloaded")
+        timeout = self.ctx.limits.queue_timeout_s
+        err = ProtocolError("overloaded", f"no capacity became free within {timeout:g} s; try again later")
+        await self._fail(err, CLOSE_TRY_AGAIN)
 
     async def _end_unadmitted(self) -> None:
         """The stream ended while queued: stopped, failed, or the client left."""

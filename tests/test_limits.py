@@ -151,6 +151,28 @@ def test_an_action_far_outside_the_models_range_is_refused(value):
         validate(cfg, num_chunks=1, image=None, actions=np.array([[value, 0.0]]), kv_mode=None)
 
 
+async def test_a_huge_action_on_the_wire_is_a_bad_request_and_the_session_completes(url):
+    """1e15 passed the parser before and made the model's output non-finite: the session
+    ended with `internal` and 1011. Now it is refused and the session goes on."""
+    replies = await session_replies(
+        url, {"type": "action", "actions": [[1e15, 0.0]]}, {"type": "action", "actions": [[0.5, 0.5]]}
+    )
+    errors = [r for r in replies if r["type"] == "error"]
+    assert [e["code"] for e in errors] == ["bad_request"]
+    assert "range" in errors[0]["message"]
+
+
+def test_the_engine_refuses_huge_actions_pushed_through_its_python_api(models):
+    from streamworld.engine.stream import ActionTrack, Stream, StreamRequest
+
+    config = models["tiny-act"].config
+    stream = Stream(1, StreamRequest(seed=0), config, "clean", 1, 0.0, 1.0, 1.0, ActionTrack(2), None)
+    with pytest.raises(ValueError, match="range"):
+        stream.push_actions(np.array([[1e15, 0.0]]), None, 4096)
+    stream.push_actions(np.array([[0.5, 0.5]]), None, 4096)
+    assert stream.actions.known == 1
+
+
 def test_actions_within_the_margin_around_the_range_are_accepted():
     cfg = MODELS["tiny-act"]
     values = (-5.0, -1.0, 0.0, 1.0, 4.9, 5.0)

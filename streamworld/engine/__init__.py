@@ -22,11 +22,20 @@ from .executor import on_torch_thread
 from .handle import StreamHandle
 from .kv_modes import context_frame_indices
 from .reference import GenerationRequest, GenerationResult, ReferenceGenerator
-from .request import ACTION_POLICIES, PRIORITY_CLASSES, Overloaded, StreamError, StreamRequest, Unsupported
+from .request import (
+    ACTION_POLICIES,
+    MAX_NUM_CHUNKS,
+    PRIORITY_CLASSES,
+    Overloaded,
+    StreamError,
+    StreamRequest,
+    Unsupported,
+)
 from .stream import ChunkOutput
 
 __all__ = [
     "ACTION_POLICIES",
+    "MAX_NUM_CHUNKS",
     "PRIORITY_CLASSES",
     "AsyncEngine",
     "ChunkOutput",

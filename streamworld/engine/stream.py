@@ -20,7 +20,7 @@ from ..models.config import ModelConfig
 from ..models.frames import actions_needed, latent_action_window
 from .kv_modes import COMMIT, PREFILL, PREFILL_CHUNK
 from .kv_pool import PageTable
-from .request import StreamRequest
+from .request import StreamRequest, check_action_values
 
 
 @dataclass(frozen=True)
@@ -222,8 +222,9 @@ class Stream:
 
     def push_actions(self, actions: np.ndarray, frame: int | None, max_ahead: int) -> None:
         """Queues actions from `frame` on (after the known ones when None); ValueError when
-        they are malformed or reach more than `max_ahead` frames past the oldest frame still
-        to be generated (so a bad `frame` cannot make the queue huge)."""
+        they are malformed, outside the model's accepted range (a huge action would make
+        the model's output non-finite), or reach more than `max_ahead` frames past the
+        oldest frame still to be generated (so a bad `frame` cannot make the queue huge)."""
         cfg = self.config
         arr = np.asarray(actions, dtype=np.float32)
         if cfg.action_dim == 0:
@@ -232,6 +233,7 @@ class Stream:
             raise ValueError(f"actions must be a list of finite vectors of length {cfg.action_dim}")
         if frame is not None and frame < 0:
             raise ValueError("frame must be >= 0")
+        check_action_values(cfg, arr)
         start = self.actions.known if frame is None else frame
         if start + len(arr) > self.actions.base + max_ahead:
             raise ValueError(

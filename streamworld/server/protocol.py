@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import ACTION_POLICIES, PRIORITY_CLASSES, ChunkOutput
+# MAX_NUM_CHUNKS: chunks one session may ask for (about 9 hours at 16 fps and 12 frames a
+# chunk); null asks for an open-ended stream. The engine holds the same bound.
+from ..engine import ACTION_POLICIES, MAX_NUM_CHUNKS, PRIORITY_CLASSES, ChunkOutput
 from ..media import FORMATS
 from ..models.config import ModelConfig, widened_action_range
 
@@ -47,9 +49,6 @@ MAX_ECHO_CHARS = 64
 # A ping `id` is echoed: a string of at most this many characters, or another JSON value
 # whose JSON text is at most this long.
 MAX_PING_ID_CHARS = 128
-# Chunks one session may ask for (about 9 hours at 16 fps and 12 frames a chunk); null asks
-# for an open-ended stream. The engine's `validate` holds the same bound for Python callers.
-MAX_NUM_CHUNKS = 10**6
 # Longest prompt, in bytes of UTF-8: room for 4096 characters of any script, while the text
 # encoder reads at most 512 tokens (about 2,000 English characters) of it anyway.
 MAX_PROMPT_BYTES = 16 * 1024

@@ -121,6 +121,8 @@ def sample_process(pid: int) -> dict[str, Any] | None:
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # a process that has exited but not been reaped (a zombie)
+        return None
     return {
         "rss_kb": int(fields["VmRSS"].split()[0]),
         "threads": int(fields["Threads"].strip()),

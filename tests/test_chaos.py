@@ -9,8 +9,10 @@ the end. It must exit 0, and its report must show the server unharmed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,21 @@ def test_short_chaos_run_leaves_the_server_unharmed(tmp_path):
     assert report["long_stream"]["disturbed"] == []
     assert report["sigterm"]["exit_code"] == 0 and report["sigterm"]["problems"] == []
     assert report["failures"] == [] and done.returncode == 0, done.stdout[-3000:]
+
+
+def test_sampling_a_process_that_has_exited_gives_nothing():
+    """An hour-long run once died at its end: the server, stopped by SIGTERM and not yet
+    reaped, had no VmRSS line, and sampling it raised instead of saying it was gone."""
+    from loadtests.proc import sample_process
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(200):  # exited, not reaped: a zombie
+        state = Path(f"/proc/{child.pid}/stat").read_text().split()[2]
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    assert state == "Z"
+    assert sample_process(child.pid) is None
+    child.wait()
+    assert sample_process(child.pid) is None
+    assert sample_process(os.getpid())["rss_kb"] > 0

@@ -276,3 +276,38 @@ def test_serve_flags_set_who_may_connect_and_the_bounds(monkeypatch, capsys):
     assert serve_config(build_parser().parse_args(["serve"])).server.auth_token == "from-env"
     assert main(["serve", "--max-connections", "0"]) == 2
     assert "--max-connections" in capsys.readouterr().err
+
+
+async def test_at_most_two_first_frames_decode_at_once(models, monkeypatch):  # noqa: F811
+    """Each decode may cost up to 64 MiB: many uploads at once must queue, not add up."""
+    import threading
+
+    from streamworld.server import protocol
+
+    parse, running_now, most, lock = protocol.parse_session_start, [0], [0], threading.Lock()
+    release = threading.Event()
+
+    def slow_parse(*args):
+        with lock:
+            running_now[0] += 1
+            most[0] = max(most[0], running_now[0])
+        release.wait(5)
+        with lock:
+            running_now[0] -= 1
+        return parse(*args)
+
+    monkeypatch.setattr(protocol, "parse_session_start", slow_parse)
+    _server, running, host = await start(models, max_connections=16)
+    try:
+        sockets = [await websockets.connect(f"ws://{host}/v1/stream") for _ in range(6)]
+        for ws in sockets:
+            await ws.send(json.dumps({"type": "session.start", "num_chunks": 1}))
+        await until(lambda: _true(running_now[0] == protocol.MAX_CONCURRENT_IMAGE_DECODES))
+        await asyncio.sleep(0.2)  # the other four would have started by now if not held back
+        assert most[0] == protocol.MAX_CONCURRENT_IMAGE_DECODES == 2
+        release.set()
+        for ws in sockets:
+            await ws.close()
+    finally:
+        release.set()
+        await running.close()

@@ -254,6 +254,10 @@ class StreamWorldClient:
             **(start_fields or {}),
         }
 
+        self._init_session_state()
+
+    def _init_session_state(self) -> None:
+        """What the session has told us so far (nothing yet), and the connection's internals."""
         self.info: SessionInfo | None = None
         self.queue_position: int | None = None
         self.init_segment: bytes | None = None
@@ -261,7 +265,6 @@ class StreamWorldClient:
         self.done_reason: str | None = None
         self.chunks_done: int | None = None
         self.chunks_received = 0
-
         self._state = "new"
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None

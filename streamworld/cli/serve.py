@@ -83,6 +83,33 @@ class ServeConfig:
     server: ServerConfig
 
 
+def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
+    """Who may connect: origins, the shared token, the connection cap (docs/security.md)."""
+    access = parser.add_argument_group("who may connect (docs/security.md)")
+    access.add_argument(
+        "--allow-origin",
+        action="append",
+        dest="allowed_origins",
+        metavar="ORIGIN",
+        default=[],
+        help="a browser origin (scheme://host[:port]) whose pages may open streams besides the server's "
+        "own; repeat for several; * allows every origin",
+    )
+    access.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        help=f"require this shared secret on /v1/stream, /v1/models and /metrics (Authorization: Bearer, "
+        f"or ?token=); default: the {TOKEN_ENV} environment variable, else no token",
+    )
+    access.add_argument(
+        "--max-connections",
+        type=int,
+        default=256,
+        metavar="N",
+        help="open WebSocket connections at most; more get HTTP 503 (default 256)",
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
@@ -113,29 +140,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-queue", type=int, default=16, help="sessions that may wait for admission (default 16)"
     )
-    access = parser.add_argument_group("who may connect (docs/security.md)")
-    access.add_argument(
-        "--allow-origin",
-        action="append",
-        dest="allowed_origins",
-        metavar="ORIGIN",
-        default=[],
-        help="a browser origin (scheme://host[:port]) whose pages may open streams besides the server's "
-        "own; repeat for several; * allows every origin",
-    )
-    access.add_argument(
-        "--auth-token",
-        metavar="TOKEN",
-        help=f"require this shared secret on /v1/stream, /v1/models and /metrics (Authorization: Bearer, "
-        f"or ?token=); default: the {TOKEN_ENV} environment variable, else no token",
-    )
-    access.add_argument(
-        "--max-connections",
-        type=int,
-        default=256,
-        metavar="N",
-        help="open WebSocket connections at most; more get HTTP 503 (default 256)",
-    )
+    _add_access_arguments(parser)
     parser.add_argument(
         "--log-level",
         default="info",

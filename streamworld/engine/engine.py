@@ -77,7 +77,8 @@ class AsyncEngine:
         self.overlap = overlap = resolve_overlap(
             self.config.overlap_dispatch, model.device, self.config.num_ranks
         )
-        self.runner = ModelRunner(model, self.stages, cache, overlap, self.config.fault_hook)
+        # The hook is read per batch: tests swap the configuration of a running engine.
+        self.runner = ModelRunner(model, self.stages, cache, overlap, lambda: self.config.fault_hook)
         # On a CPU all three share the process's one PyTorch thread (executor.py says why).
         self.ranks = [
             Executor(f"rank{r}", model.device, overlap=overlap) for r in range(self.config.num_ranks)
@@ -96,17 +97,6 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.started_at = time.monotonic()
-
-    @property
-    def config(self) -> EngineConfig:
-        return self._config
-
-    @config.setter
-    def config(self, config: EngineConfig) -> None:
-        # Tests swap the configuration of a running engine to inject faults.
-        self._config = config
-        if hasattr(self, "runner"):
-            self.runner.fault_hook = config.fault_hook
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,7 +100,12 @@ class Decoded:
 
 class ModelRunner:
     def __init__(
-        self, model: WorldModel, stages: list[Stage], cache: KVCache, overlap: bool, fault_hook: Any = None
+        self,
+        model: WorldModel,
+        stages: list[Stage],
+        cache: KVCache,
+        overlap: bool,
+        fault_hook: Callable[[], Any] = lambda: None,
     ) -> None:
         self.model = model
         self.stages = stages
@@ -192,8 +198,9 @@ class ModelRunner:
         model = self.model
         inputs, x_ts = [], []
         for w in works:
-            if self.fault_hook is not None:
-                self.fault_hook(w.unit)
+            hook = self.fault_hook()
+            if hook is not None:
+                hook(w.unit)
             chunk_input = self._input(stage, w)
             inputs.append(chunk_input)
             x_ts.append(chunk_input.latents)

@@ -325,7 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--sample-every", type=float, default=d.sample_every_s, help="seconds (default 2)")
     check.add_argument(
-        "--rss-growth", type=float, default=d.rss_growth, help="RSS growth limit (default 0.10)"
+        "--rss-growth",
+        type=float,
+        default=d.rss_growth,
+        help=(
+            "limit on RSS growth under load: the median of the last window against the first"
+            " after warm-up (default 0.10)"
+        ),
     )
     check.add_argument("--thread-slack", type=int, default=d.thread_slack, help="threads (default 4)")
     check.add_argument("--fd-slack", type=int, default=d.fd_slack, help="file descriptors (default 8)")

@@ -7,6 +7,7 @@ run fails (an empty list = exit code 0); `format_table` prints it for a person.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
@@ -76,14 +77,49 @@ def summarise_cases(outcomes: list[Outcome], keep: int = 50) -> dict[str, Any]:
 def resources(
     samples: list[dict[str, Any]], before: dict | None, after: dict | None, warmup_s: float
 ) -> dict:
-    """Process figures: before the run (idle, warmed), at the end of warm-up, peak, after (idle)."""
+    """Process figures: before the run (idle, warmed), at the end of warm-up, peak, after (idle),
+    and the RSS trend under load after warm-up."""
     live = [s for s in samples if s.get("rss_kb") is not None]
     warm = next((s for s in live if s["t"] >= warmup_s), live[-1] if live else None)
     peak = {k: max(s[k] for s in live) for k in ("rss_kb", "threads", "fds")} if live else None
     growth = None
     if warm and after:
         growth = round((after["rss_kb"] - warm["rss_kb"]) / warm["rss_kb"], 4)
-    return {"before": before, "warm": warm, "peak": peak, "after": after, "rss_growth_after_warmup": growth}
+    return {
+        "before": before,
+        "warm": warm,
+        "peak": peak,
+        "after": after,
+        "rss_growth_after_warmup": growth,
+        "rss_trend": rss_trend([s for s in live if s["t"] >= warmup_s]),
+    }
+
+
+def rss_trend(samples: list[dict[str, Any]], window_s: float = 300.0) -> dict | None:
+    """RSS under load, compared by medians: the first window after warm-up against the last.
+
+    Single samples swing by several percent as sessions come and go, so one sample against
+    another says little; medians over a window (five minutes, or a quarter of the run when it is
+    shorter) and a least-squares slope say whether memory creeps."""
+    if len(samples) < 8:
+        return None
+    t0, t1 = samples[0]["t"], samples[-1]["t"]
+    window = min(window_s, (t1 - t0) / 4)
+    first = [s["rss_kb"] for s in samples if s["t"] <= t0 + window]
+    last = [s["rss_kb"] for s in samples if s["t"] >= t1 - window]
+    ts = [s["t"] for s in samples]
+    rs = [s["rss_kb"] for s in samples]
+    mt, mr = statistics.fmean(ts), statistics.fmean(rs)
+    var = sum((t - mt) ** 2 for t in ts)
+    slope = sum((t - mt) * (r - mr) for t, r in zip(ts, rs, strict=True)) / var if var else 0.0
+    first_kb, last_kb = statistics.median(first), statistics.median(last)
+    return {
+        "window_s": round(window, 1),
+        "first_median_kb": round(first_kb),
+        "last_median_kb": round(last_kb),
+        "growth": round((last_kb - first_kb) / first_kb, 4),
+        "slope_mb_per_hour": round(slope * 3600 / 1024, 1),
+    }
 
 
 def failures(report: dict[str, Any], cfg: Any) -> list[str]:
@@ -119,9 +155,12 @@ def failures(report: dict[str, Any], cfg: Any) -> list[str]:
 
 def resource_failures(res: dict[str, Any], cfg: Any) -> list[str]:
     out: list[str] = []
-    growth = res.get("rss_growth_after_warmup")
-    if growth is not None and growth > cfg.rss_growth:
-        out.append(f"RSS grew {growth:.1%} after warm-up (limit {cfg.rss_growth:.0%})")
+    trend = res.get("rss_trend")
+    if trend is not None and trend["growth"] > cfg.rss_growth:
+        out.append(
+            f"RSS median grew {trend['growth']:.1%} from the first {trend['window_s']:.0f} s after"
+            f" warm-up to the last (limit {cfg.rss_growth:.0%})"
+        )
     warm, before, after = res.get("warm"), res.get("before"), res.get("after")
     if warm and after and after["threads"] - warm["threads"] > cfg.thread_slack:
         out.append(f"threads {warm['threads']} after warm-up -> {after['threads']} idle after the run")
@@ -149,7 +188,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"process {when:7s} rss {s.get('rss_kb')} kB threads {s.get('threads')} fds {s.get('fds')}"
         )
     lines.append(
-        f"RSS growth after warm-up {res.get('rss_growth_after_warmup')}; idle after: {report['idle_after']}"
+        f"RSS growth after warm-up {res.get('rss_growth_after_warmup')} (one sample to the idle end);"
+        f" trend under load {res.get('rss_trend')}; idle after: {report['idle_after']}"
     )
     log = report["log"] or {}
     lines.append(

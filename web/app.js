@@ -8,6 +8,7 @@
 const $ = (id) => document.getElementById(id);
 const PUSHT_WORLD = 512; // pusht actions: the agent's target (x, y) in world units, y down
 const KEY_STEP = 24; // world units per key press (pusht)
+const FPS_WINDOW_MS = 4000; // frames/s is averaged over this long
 const KEYS = {
   ArrowUp: "up", KeyW: "up", ArrowDown: "down", KeyS: "down",
   ArrowLeft: "left", KeyA: "left", ArrowRight: "right", KeyD: "right", Space: "stay",
@@ -56,7 +57,7 @@ function showModel() {
   document.querySelectorAll(".for-image").forEach((e) => e.classList.toggle("hidden", !m.needs_image));
   document.querySelectorAll(".for-scene").forEach((e) => e.classList.toggle("hidden", !m.has_default_image));
   $("model-info").textContent =
-    `${m.width}x${m.height} at ${m.fps} fps, ${m.frames_per_chunk} frames per chunk, ` +
+    `${m.width}x${m.height} (width x height) at ${m.fps} fps, ${m.frames_per_chunk} frames per chunk, ` +
     `${m.action_dim ? `actions of ${m.action_dim}` : "no actions"}. ${m.description || ""}`;
   $("help").textContent = isPushT(m)
     ? "Drag on the frame to move the agent's target; arrows or WASD nudge it."
@@ -140,7 +141,8 @@ class Player {
     this.queue = [];
     this.period = 1000 / fps;
     this.next = 0;
-    this.shown = [];
+    this.shown = []; // when each frame was shown, the last FPS_WINDOW_MS
+    this.firstShown = null;
     this.timer = setInterval(() => this.tick(), Math.max(5, this.period / 4));
   }
   push(frame) {
@@ -157,13 +159,18 @@ class Player {
     release(frame);
     this.next = Math.max(this.next + this.period, now - this.period);
     this.shown.push(now);
+    if (this.firstShown === null) this.firstShown = now;
     stats.framesShown++;
     if (session && session.startedAt && stats.ttffMs === null) stats.ttffMs = now - session.startedAt;
   }
   fps() {
+    // Frames shown over the last few seconds (or since the first frame): chunks arrive in
+    // bursts, so a short window would swing between a burst's rate and zero.
+    if (this.firstShown === null) return null;
     const now = performance.now();
-    this.shown = this.shown.filter((t) => now - t < 2000);
-    return this.shown.length / 2;
+    this.shown = this.shown.filter((t) => now - t < FPS_WINDOW_MS);
+    const span = Math.min(FPS_WINDOW_MS, Math.max(now - this.firstShown, 1000));
+    return (this.shown.length * 1000) / span;
   }
   close() {
     clearInterval(this.timer);
@@ -219,10 +226,13 @@ async function start() {
     ttffMs: null, actionToFrameMs: null, decoder: null,
   });
   setButtons(true);
+  clearError();
+  $("st-chunk").textContent = "-";
+  drawIdle("Connecting...");
   setStatus("Connecting...");
   ws.onopen = () => ws.send(JSON.stringify(message));
   ws.onmessage = (event) => onMessage(session, event).catch((e) => fail(`client error: ${e.message}`));
-  ws.onclose = (event) => finish(event.code === 1000 || session?.ended ? null : `connection closed (${event.code})`);
+  ws.onclose = (event) => onClose(session, event);
 }
 
 async function onMessage(s, event) {
@@ -253,6 +263,8 @@ async function onMessage(s, event) {
       break;
     case "error":
       stats.errors.push(msg);
+      s.serverError = msg;
+      showError(`Server error (${msg.code}): ${msg.message}`);
       setStatus(`Server: ${msg.code}: ${msg.message}`);
       break;
     case "session.done":
@@ -372,6 +384,27 @@ function stop() {
   }
 }
 
+const CLOSE_MEANINGS = {
+  1001: "the server is shutting down",
+  1006: "the connection dropped, or the server could not be reached",
+  1008: "the server refused a message",
+  1009: "a message was too large",
+  1011: "the server hit an internal error",
+  1013: "the server is full; try again shortly",
+};
+
+function onClose(s, event) {
+  if (s !== session) return;
+  if (event.code === 1000 || s.ended) return finish(null);
+  // The server says why in an `error` message before it closes; show that, else the close code.
+  const why = s.serverError
+    ? `${s.serverError.code}: ${s.serverError.message}`
+    : `connection closed (${event.code}${event.reason ? `: ${event.reason}` : ""})` +
+      (CLOSE_MEANINGS[event.code] ? `: ${CLOSE_MEANINGS[event.code]}` : "");
+  if (!s.serverError) showError(why);
+  finish(`Session failed: ${why}`);
+}
+
 function finish(problem) {
   const s = session;
   if (!s) return;
@@ -379,12 +412,19 @@ function finish(problem) {
   if (s.player) s.player.close();
   if (s.decoder) s.decoder.close();
   stats.state = "idle";
+  stats.queuePosition = null;
   setButtons(false);
-  if (problem) setStatus(problem);
+  if (problem) {
+    // Nothing stale stays on screen after a failure: no last frame, no last chunk.
+    $("st-chunk").textContent = "-";
+    drawIdle("The session failed: see the message above.");
+    setStatus(problem);
+  }
 }
 
 function fail(message) {
   stats.errors.push({ code: "client", message });
+  showError(message);
   setStatus(message);
   if (session) session.ws.close(1000);
 }
@@ -403,6 +443,40 @@ function newScene() {
 // --- page -------------------------------------------------------------------------------------
 function clamp(v, lo, hi) { return Math.min(hi, Math.max(lo, v)); }
 function setStatus(text) { $("status").textContent = text; }
+function showError(text) {
+  $("error").textContent = text;
+  $("error").classList.remove("hidden");
+}
+function clearError() {
+  $("error").textContent = "";
+  $("error").classList.add("hidden");
+}
+
+function drawIdle(text) {
+  // The canvas before and between sessions: a neutral card that says what to do.
+  const canvas = $("screen");
+  const ctx = canvas.getContext("2d");
+  const { width, height } = canvas;
+  ctx.fillStyle = "#2a3040";
+  ctx.fillRect(0, 0, width, height);
+  ctx.strokeStyle = "#39415a";
+  ctx.lineWidth = 1;
+  const step = Math.max(16, Math.round(width / 16));
+  for (let x = step; x < width; x += step) line(ctx, x, 0, x, height);
+  for (let y = step; y < height; y += step) line(ctx, 0, y, width, y);
+  ctx.fillStyle = "#d8dce6";
+  ctx.textAlign = "center";
+  ctx.textBaseline = "middle";
+  ctx.font = `${Math.max(12, Math.round(width / 22))}px system-ui, sans-serif`;
+  ctx.fillText(text, width / 2, height / 2);
+}
+
+function line(ctx, x0, y0, x1, y1) {
+  ctx.beginPath();
+  ctx.moveTo(x0 + 0.5, y0 + 0.5);
+  ctx.lineTo(x1 + 0.5, y1 + 0.5);
+  ctx.stroke();
+}
 function setButtons(running) {
   $("start").disabled = running;
   $("stop").disabled = !running;
@@ -413,7 +487,8 @@ function setButtons(running) {
 function renderStats() {
   $("st-state").textContent = stats.state;
   $("st-queue").textContent = stats.queuePosition ?? "-";
-  $("st-fps").textContent = session && session.player ? session.player.fps().toFixed(1) : "-";
+  const fps = session && session.player ? session.player.fps() : null;
+  $("st-fps").textContent = fps === null ? "-" : fps.toFixed(1);
   $("st-ttff").textContent = stats.ttffMs === null ? "-" : `${(stats.ttffMs / 1000).toFixed(2)} s`;
   $("st-a2f").textContent = stats.actionToFrameMs === null ? "-" : `${Math.round(stats.actionToFrameMs)} ms`;
   $("st-frames").textContent = stats.framesShown;
@@ -436,6 +511,7 @@ async function main() {
   }
   window.addEventListener("pagehide", () => session && session.ws.close(1000));
   setInterval(renderStats, 250);
+  drawIdle("Press Start");
   await loadModels();
   if (params.get("autostart") === "1") start();
 }

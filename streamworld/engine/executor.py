@@ -86,6 +86,12 @@ def on_torch_thread(device: torch.device | str, fn: Callable[[], T]) -> T:
             continue
 
 
+def set_cpu_threads(threads: int) -> None:
+    """Sets PyTorch's CPU thread count on the CPU worker, between two pieces of work (queued,
+    not waited for)."""
+    cpu_worker().submit(torch.set_num_threads, threads)
+
+
 def resolve_overlap(asked: bool | None, device: torch.device, num_ranks: int) -> bool:
     """Whether DiT batches overlap (`EngineConfig.overlap_dispatch`): by default with one rank
     on a GPU, where one CUDA stream orders all DiT work; never with several ranks."""

@@ -75,6 +75,34 @@ async def test_concurrent_streams_with_staggered_arrival_match_the_reference(tin
         assert_matches(outputs, reference(tiny_model, seed, 3, prompt, mode))
 
 
+async def test_an_uneven_explicit_placement_matches_the_reference_in_every_kv_mode(tiny_model):
+    from streamworld.engine import ReplicaPlacement, StagePlacement
+
+    # tiny-wan's 4 blocks as 1 + 2 + 1, the outer stages sharing rank 1.
+    stages = (StagePlacement(0, 1, "cpu", 1), StagePlacement(1, 3, "cpu", 0), StagePlacement(3, 4, "cpu", 1))
+    placement = ReplicaPlacement(stages, "cpu")
+    specs = [(11, "clean"), (12, "final"), (13, "noisy"), (14, "noisy")]
+    async with AsyncEngine(tiny_model, engine_config(placement=placement, trace=True)) as engine:
+        assert [(s.start, s.stop) for s in engine.stages] == [(0, 1), (1, 3), (3, 4)]
+        assert len(engine.ranks) == 2
+        handles = [engine.open_stream(StreamRequest(seed=s, num_chunks=3, kv_mode=m)) for s, m in specs]
+        results = await asyncio.gather(*(collect(h) for h in handles))
+        assert {(e.unit.stage, e.rank) for e in engine.trace} == {(0, 1), (1, 0), (2, 1)}
+        assert engine.pool.pages_used == 0
+    for (seed, mode), outputs in zip(specs, results, strict=True):
+        assert_matches(outputs, reference(tiny_model, seed, 3, "", mode))
+
+
+def test_an_engine_refuses_a_placement_its_model_does_not_match(tiny_model):
+    from streamworld.engine import parse_placement
+
+    placement = parse_placement("0-1@cpu,2-3@cuda:0", [], 4).replicas[0]
+    with pytest.raises(
+        ValueError, match=r"blocks 2-3 are on \['cpu'\], but the placement puts them on cuda:0"
+    ):
+        AsyncEngine(tiny_model, engine_config(placement=placement))
+
+
 async def test_image_and_action_streams_match_the_reference_with_actions_arriving_late():
     model = load_tiny(needs_image=True, action_dim=2)
     cfg = model.config
@@ -150,11 +178,18 @@ async def test_clean_mode_serialises_chunks_of_one_stream(tiny_model):
             assert e.start >= commit_end[e.unit.chunk - 1]
 
 
-async def test_random_cancellations_free_everything_and_leave_others_unchanged(tiny_model):
+@pytest.mark.parametrize("stages, wanted", [(2, 100), (3, 40)])
+async def test_random_cancellations_free_everything_and_leave_others_unchanged(tiny_model, stages, wanted):
+    from streamworld.engine import parse_placement
+
+    # 2 stages time-share one rank; 3 stages run on 3 ranks as a pipeline of virtual devices.
+    placement = None if stages == 2 else parse_placement("pipeline", ["cpu"] * 3, 4).replicas[0]
+    config = engine_config(num_stages=2, placement=placement, trace=True, max_streams=6)
     rnd = random.Random(1234)
     cancelled_total = 0
-    async with AsyncEngine(tiny_model, engine_config(num_stages=2, trace=True, max_streams=6)) as engine:
-        while cancelled_total < 100:
+    async with AsyncEngine(tiny_model, config) as engine:
+        assert len(engine.stages) == stages
+        while cancelled_total < wanted:
             survivor_seed = rnd.randrange(3)
             survivor = engine.open_stream(StreamRequest(seed=survivor_seed, num_chunks=2, kv_mode="noisy"))
             survivor_task = asyncio.create_task(collect(survivor))
@@ -189,7 +224,7 @@ async def test_random_cancellations_free_everything_and_leave_others_unchanged(t
             assert engine.pool.reserved == 0
             assert engine.live_streams() == 0
             engine.trace.clear()
-    assert cancelled_total >= 100
+    assert cancelled_total >= wanted
 
 
 async def test_interactive_streams_meet_deadlines_ahead_of_standard():

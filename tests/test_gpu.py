@@ -116,7 +116,7 @@ def _engine_run(model: WorldModel, requests, **config):
     async def main():
         cfg = EngineConfig(ttff_budget_s=1e3, scheduler=SchedulerConfig(lookahead_chunks=1e6), **config)
         async with AsyncEngine(model, cfg) as engine:
-            assert engine.overlap == (config.get("num_ranks", 1) == 1)  # on by default on a GPU
+            assert engine.overlap == (len(engine.ranks) == 1)  # on by default with one rank on a GPU
             handles = [engine.open_stream(r) for r in requests]
 
             async def collect(h):
@@ -147,6 +147,53 @@ def test_engine_with_cuda_stream_ranks_matches_the_reference_tiny_wan():
         print(
             f"\nengine (2 CUDA-stream ranks) vs reference, tiny-wan float32 {req.kv_mode}: rel err {err:.1e}"
         )
+        assert err < 1e-4
+
+
+def test_a_two_stage_pipeline_on_one_gpu_as_two_virtual_devices_matches_the_reference(wan13b):
+    """cuda:0 twice: two stages on two ranks (two CUDA streams) of one GPU, bf16."""
+    from streamworld.engine import StreamRequest, parse_placement
+
+    placement = parse_placement("pipeline", ["cuda:0", "cuda:0"], wan13b.config.num_layers).replicas[0]
+    requests = [
+        StreamRequest(seed=i, num_chunks=2, prompt="a fox", kv_mode=m)
+        for i, m in enumerate(["noisy", "clean"])
+    ]
+    outs, _, pages_used = _engine_run(wan13b, requests, placement=placement)
+    assert pages_used == 0
+    ref = ReferenceGenerator(wan13b)
+    for req, out in zip(requests, outs, strict=True):
+        expected = ref.generate(
+            GenerationRequest(seed=req.seed, num_chunks=2, prompt="a fox", kv_mode=req.kv_mode)
+        )
+        err = _rel_err(torch.cat([o.latents for o in out], dim=1), expected.latents)
+        print(
+            f"\n2-stage pipeline on cuda:0 x2 vs reference, wan2.1-t2v-1.3b bf16 {req.kv_mode}:"
+            f" rel err {err:.1e}"
+        )
+        assert err < 5e-2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kv_mode", ["clean", "final", "noisy"])
+def test_a_pipeline_across_two_gpus_matches_the_reference_tiny_wan(kv_mode):
+    """Blocks, K/V pages and activations really on two devices (float32)."""
+    from streamworld.engine import StreamRequest, parse_placement
+
+    model = WorldModel.load(tiny_config(), device="cuda:0", dtype="float32")
+    placement = parse_placement("0-1@cuda:0,2-3@cuda:1,decode@cuda:1", [], 4).replicas[0]
+    model.place([(s.start, s.stop, s.device) for s in placement.stages], placement.decoder_device)
+    requests = [StreamRequest(seed=i, num_chunks=3, prompt=f"p{i}", kv_mode=kv_mode) for i in range(3)]
+    outs, _, pages_used = _engine_run(model, requests, placement=placement)
+    assert pages_used == 0
+    reference = WorldModel.load(tiny_config(), device="cuda:0", dtype="float32")
+    ref = ReferenceGenerator(reference)
+    for req, out in zip(requests, outs, strict=True):
+        expected = ref.generate(
+            GenerationRequest(seed=req.seed, num_chunks=3, prompt=req.prompt, kv_mode=kv_mode)
+        )
+        err = _rel_err(torch.cat([o.latents for o in out], dim=1), expected.latents)
+        print(f"\npipeline cuda:0 -> cuda:1 vs reference, tiny-wan float32 {kv_mode}: rel err {err:.1e}")
         assert err < 1e-4
 
 

@@ -10,18 +10,32 @@ PushT: import from `streamworld.engine`, not from its modules.
     kv_cache    the K/V tensors and the paged views the DiT reads and writes
     scheduler   every decision: admission, chunk starts, ready units, batches, decodes
     runner      all work on executor threads, and the tensors kept between units
+    placement   which devices a model uses: replicas, stages, virtual ranks (plain data)
     executor    virtual ranks: worker threads (+ CUDA streams)
+    replicas    ReplicaSet: several engines serving one model as one pool
+    cpu_threads PyTorch's CPU thread count, adapted to other processes' load
     handle      what a caller holds for one stream
     engine      the public API and the busy loop
     reference   the sequential reference generator (the ground truth)
 """
 
 from .config import EngineConfig, SchedulerConfig
+from .cpu_threads import ThreadGovernor
 from .engine import AsyncEngine
 from .executor import on_torch_thread
 from .handle import StreamHandle
 from .kv_modes import context_frame_indices
+from .placement import (
+    Placement,
+    PlacementError,
+    ReplicaPlacement,
+    StagePlacement,
+    check_devices,
+    parse_placement,
+    single_device,
+)
 from .reference import GenerationRequest, GenerationResult, ReferenceGenerator
+from .replicas import ReplicaSet
 from .request import (
     ACTION_POLICIES,
     MAX_NUM_CHUNKS,
@@ -43,12 +57,21 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "Overloaded",
+    "Placement",
+    "PlacementError",
     "ReferenceGenerator",
+    "ReplicaPlacement",
+    "ReplicaSet",
     "SchedulerConfig",
+    "StagePlacement",
     "StreamError",
     "StreamHandle",
     "StreamRequest",
+    "ThreadGovernor",
     "Unsupported",
+    "check_devices",
     "context_frame_indices",
     "on_torch_thread",
+    "parse_placement",
+    "single_device",
 ]

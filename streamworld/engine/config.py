@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .placement import ReplicaPlacement
 from .stream import WorkUnit
 
 
@@ -24,6 +25,9 @@ class SchedulerConfig:
 class EngineConfig:
     num_stages: int = 1
     num_ranks: int = 1
+    # Where the replica's stages run: block ranges, devices and ranks (placement.py). None:
+    # `num_stages` even stages on the model's device, stage g on rank g % `num_ranks`.
+    placement: ReplicaPlacement | None = None
     # Pages per stage; by default room for `max_streams` streams in their worst case, capped
     # on a GPU at `kv_memory_fraction` of the memory free when the engine starts.
     kv_pages: int | None = None

@@ -8,7 +8,7 @@ future resolved from the executor thread) or the next chunk start time wakes it.
 work only ever runs on executors, through the runner (runner.py):
 
     prep executor     prompt encoding, first-image encoding (off the DiT path)
-    rank executors    DiT stages; stage g runs on rank g % num_ranks
+    rank executors    DiT stages; each stage runs on the rank its placement names
     decode executor   VAE decoding with each stream's causal decoder state
 
 Frames of each stream come out of `StreamHandle` (an async iterator) as soon as they are
@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,9 +36,10 @@ from .executor import Executor, resolve_overlap
 from .handle import StreamHandle
 from .kv_cache import KVCache, default_pages
 from .kv_modes import PREFILL, PREFILL_CHUNK, num_kv_versions, unit_kv_access
-from .kv_pool import KVPagePool, PageTable, Stage, pages_needed, split_stages
+from .kv_pool import KVPagePool, PageTable, Stage, pages_needed
+from .placement import single_device
 from .request import PRIORITY_CLASSES, Overloaded, StreamRequest, Unsupported, validate_stream_request
-from .runner import Decoded, ModelRunner, UnitResult, Work
+from .runner import Decoded, ModelRunner, UnitResult, Work, placed_devices
 from .scheduler import ReadyUnit, Scheduler
 from .stats import EngineStats, TraceEvent, ema
 from .stream import ActionTrack, ChunkOutput, ChunkState, Stream, chunk_duration_s
@@ -59,31 +61,38 @@ class AsyncEngine:
         self.model = model
         self.config = config or EngineConfig()
         cfg = model.config
-        self.stages: list[Stage] = split_stages(cfg.num_layers, self.config.num_stages)
+        self.placement = (
+            self.config.placement
+            or single_device(
+                str(model.device), cfg.num_layers, self.config.num_stages, self.config.num_ranks
+            ).replicas[0]
+        )
+        self.stages: list[Stage] = [Stage(g, s.start, s.stop) for g, s in enumerate(self.placement.stages)]
+        stage_devices, rank_devices = placed_devices(model, self.placement)
+        num_ranks = len(rank_devices)
         self.num_steps = model.schedule.num_steps
         pages = self.config.kv_pages
         if pages is None:  # room for `max_streams` streams in their worst case (noisy)
             wanted = self._pages_for("noisy") * self.config.max_streams
-            pages = default_pages(model, wanted, self.config.kv_memory_fraction)
+            pages = default_pages(model, wanted, self.config.kv_memory_fraction, self.stages, stage_devices)
         self.pool = KVPagePool(len(self.stages), pages)
-        cache = KVCache.for_model(model, self.stages, pages)
+        cache = KVCache.for_model(model, self.stages, pages, stage_devices)
         self.scheduler = Scheduler(
             self.config.scheduler,
             num_stages=len(self.stages),
             num_steps=self.num_steps,
-            num_ranks=self.config.num_ranks,
+            num_ranks=num_ranks,
             max_decode_batch=self.config.max_decode_batch,
+            stage_ranks=[s.rank for s in self.placement.stages],
         )
-        self.overlap = overlap = resolve_overlap(
-            self.config.overlap_dispatch, model.device, self.config.num_ranks
-        )
+        self.overlap = overlap = resolve_overlap(self.config.overlap_dispatch, model.device, num_ranks)
         # The hook is read per batch: tests swap the configuration of a running engine.
-        self.runner = ModelRunner(model, self.stages, cache, overlap, lambda: self.config.fault_hook)
-        # On a CPU all three share the process's one PyTorch thread (executor.py says why).
-        self.ranks = [
-            Executor(f"rank{r}", model.device, overlap=overlap) for r in range(self.config.num_ranks)
-        ]
-        self.decoder = Executor("decode", model.device)
+        self.runner = ModelRunner(
+            model, self.stages, cache, overlap, lambda: self.config.fault_hook, stage_devices
+        )
+        # On a CPU all of them share the process's one PyTorch thread (executor.py says why).
+        self.ranks = [Executor(f"rank{r}", d, overlap=overlap) for r, d in enumerate(rank_devices)]
+        self.decoder = Executor("decode", model.decoder_device)
         self.prep = Executor("prep", model.device)
         self.streams: dict[int, Stream] = {}
         self.waiting: deque[int] = deque()
@@ -97,6 +106,9 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._closed = False
         self.started_at = time.monotonic()
+        # Replicas (replicas.py): which one this is, and a callback for when pages free up.
+        self.replica = 0
+        self.on_capacity: Callable[[AsyncEngine], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,6 +173,38 @@ class AsyncEngine:
         self._admit_waiting()
         self._poke()
         return handle
+
+    # --- for replica sets (replicas.py) ------------------------------------------------------
+    def admission_need(self, request: StreamRequest) -> int:
+        """Pages per stage the request would reserve (raises as open_stream would for a bad one)."""
+        return self._pages_for(validate_stream_request(self.model.config, dataclasses.replace(request)))
+
+    def admits_now(self, need: int) -> bool:
+        """Whether a stream needing `need` pages would be admitted at once (nobody waits first)."""
+        return not self._closed and not self.waiting and self.pool.can_reserve(need)
+
+    def share_ids(self, ids: Iterator[int]) -> None:
+        """Draws stream ids from `ids` (one id space for the replicas of a set)."""
+        self._ids = ids
+
+    def release_waiting(self, stream_id: int) -> StreamHandle:
+        """Takes a waiting stream out of this engine (to move it to another replica)."""
+        stream = self.streams[stream_id]
+        if stream.status != "waiting":
+            raise ValueError(f"stream {stream_id} is {stream.status}, not waiting")
+        self.waiting.remove(stream_id)
+        del self.streams[stream_id]
+        return self._handles.pop(stream_id)
+
+    def adopt_waiting(self, handle: StreamHandle) -> None:
+        """Takes a waiting stream released by another replica, and admits it if it fits."""
+        stream = handle.stream
+        self.streams[stream.id] = stream
+        self._handles[stream.id] = handle
+        handle.rebind(self)
+        self.waiting.append(stream.id)
+        self._admit_waiting()
+        self._poke()
 
     def queue_position(self, stream_id: int) -> int:
         try:
@@ -479,6 +523,8 @@ class AsyncEngine:
         self.streams.pop(stream.id, None)
         self._handles.pop(stream.id, None)
         self._admit_waiting()
+        if self.on_capacity is not None:
+            self.on_capacity(self)
         self._poke()
 
     def _get(self, stream_id: int) -> Stream:

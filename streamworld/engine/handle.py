@@ -40,6 +40,16 @@ class StreamHandle:
     def id(self) -> int:
         return self.stream.id
 
+    def rebind(self, engine: StreamControl) -> None:
+        """Moves the handle to the engine that holds its stream now (a replica set moves
+        waiting streams between replicas)."""
+        self._engine = engine
+
+    @property
+    def replica(self) -> int:
+        """Which replica of its model runs the stream (0 for a model with one)."""
+        return getattr(self._engine, "replica", 0)
+
     @property
     def queue_position(self) -> int:
         """1-based position in the admission queue; 0 once admitted."""

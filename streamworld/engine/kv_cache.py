@@ -8,6 +8,7 @@ event loop and make their index tensors on the executor thread, on first use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -17,18 +18,32 @@ from ..models.world_model import WorldModel
 from .kv_pool import Stage
 
 
-def default_pages(model: WorldModel, wanted: int, memory_fraction: float) -> int:
-    """Pages per stage: `wanted`, capped on a GPU at `memory_fraction` of its free memory."""
+def default_pages(
+    model: WorldModel,
+    wanted: int,
+    memory_fraction: float,
+    stages: Sequence[Stage] | None = None,
+    devices: Sequence[torch.device] | None = None,
+) -> int:
+    """Pages per stage: `wanted`, capped on each GPU at `memory_fraction` of its free memory
+    for the blocks of the stages placed there (all blocks on the model's device by default)."""
+    cfg = model.config
+    stages = stages or [Stage(0, 0, cfg.num_layers)]
+    devices = devices or [model.device] * len(stages)
+    blocks: dict[torch.device, int] = {}
+    for stage, device in zip(stages, devices, strict=True):
+        blocks[device] = blocks.get(device, 0) + stage.num_blocks
     pages = wanted
-    if model.device.type == "cuda":
-        cfg = model.config
-        free, _ = torch.cuda.mem_get_info(model.device)
+    element = torch.empty((), dtype=model.dtype).element_size()
+    for device, count in blocks.items():
+        if device.type != "cuda":
+            continue
+        free, _ = torch.cuda.mem_get_info(device)
         # Memory PyTorch's allocator holds but does not use is free for the pool too
         # (an engine closed earlier in this process leaves its pool there).
-        free += torch.cuda.memory_reserved(model.device) - torch.cuda.memory_allocated(model.device)
-        element = torch.empty((), dtype=model.dtype).element_size()
-        # A page in every stage: K and V of one frame for all blocks.
-        page_bytes = 2 * cfg.num_layers * cfg.tokens_per_frame * model.dit.dim * element
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # A page in every stage on this device: K and V of one frame for their blocks.
+        page_bytes = 2 * count * cfg.tokens_per_frame * model.dit.dim * element
         pages = min(pages, int(memory_fraction * free) // page_bytes)
     return max(pages, 1)
 
@@ -44,17 +59,25 @@ class KVCache:
         heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device | Sequence[torch.device],
     ) -> None:
         shape = (tokens_per_frame, heads, head_dim)
-        # Uninitialised: every page is written before it is read.
+        devices = [device] * len(stages) if isinstance(device, torch.device) else list(device)
+        # Uninitialised: every page is written before it is read. Each stage's on its device.
         self.keys = [
-            torch.empty(pages_per_stage, s.num_blocks, *shape, dtype=dtype, device=device) for s in stages
+            torch.empty(pages_per_stage, s.num_blocks, *shape, dtype=dtype, device=d)
+            for s, d in zip(stages, devices, strict=True)
         ]
         self.values = [torch.empty_like(k) for k in self.keys]
 
     @classmethod
-    def for_model(cls, model: WorldModel, stages: list[Stage], pages_per_stage: int) -> KVCache:
+    def for_model(
+        cls,
+        model: WorldModel,
+        stages: list[Stage],
+        pages_per_stage: int,
+        devices: Sequence[torch.device] | None = None,
+    ) -> KVCache:
         dit = model.dit
         config = model.config
         return cls(
@@ -64,7 +87,7 @@ class KVCache:
             dit.heads,
             dit.head_dim,
             model.dtype,
-            model.device,
+            model.device if devices is None else devices,
         )
 
     @property

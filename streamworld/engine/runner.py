@@ -33,6 +33,7 @@ from ..models.vae import image_from_uint8, to_uint8
 from ..models.world_model import WorldModel
 from .kv_cache import KVCache, PagedKVView
 from .kv_pool import Stage
+from .placement import ReplicaPlacement
 from .stream import ChunkState, WorkUnit
 
 log = logging.getLogger("streamworld.engine")
@@ -98,6 +99,42 @@ class Decoded:
     signature: tuple  # the decoder state's after this chunk
 
 
+def placed_devices(
+    model: WorldModel, placement: ReplicaPlacement
+) -> tuple[list[torch.device], list[torch.device]]:
+    """The device of each stage and of each rank, checked against where the model's blocks
+    are (`WorldModel.place`): a placement the model does not match is refused."""
+    cfg = model.config
+    if placement.stages[-1].stop != cfg.num_layers:
+        raise ValueError(f"the placement covers {placement.stages[-1].stop} of {cfg.num_layers} blocks")
+    blocks = model.dit.block_devices
+    stage_devices = [_resolved(torch.device(s.device)) for s in placement.stages]
+    for s, device in zip(placement.stages, stage_devices, strict=True):
+        placed = {_resolved(d) for d in blocks[s.start : s.stop]}
+        if placed != {device}:
+            raise ValueError(
+                f"blocks {s.start}-{s.stop - 1} are on {sorted(map(str, placed))}, but the placement puts "
+                f"them on {device} (WorldModel.place moves them)"
+            )
+    if stage_devices[0] != _resolved(model.device):
+        raise ValueError(f"the first stage is on {stage_devices[0]}, the model's inputs on {model.device}")
+    ranks: dict[int, torch.device] = {}
+    for s, device in zip(placement.stages, stage_devices, strict=True):
+        if ranks.setdefault(s.rank, device) != device:
+            raise ValueError(
+                f"rank {s.rank} has stages on {ranks[s.rank]} and on {device}: one device per rank"
+            )
+    # A rank with no stage (more ranks than stages on one device) sits on the first device.
+    return stage_devices, [ranks.get(r, stage_devices[0]) for r in range(placement.num_ranks)]
+
+
+def _resolved(device: torch.device) -> torch.device:
+    """cuda -> cuda:<current>, so that devices compare as the same when they are."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -106,9 +143,13 @@ class ModelRunner:
         cache: KVCache,
         overlap: bool,
         fault_hook: Callable[[], Any] = lambda: None,
+        stage_devices: list[torch.device] | None = None,
     ) -> None:
         self.model = model
         self.stages = stages
+        # Where each stage runs (engine placement); tensors a stage reads from another stage
+        # (activation rows, the step's latents, the clean estimate) are copied here first.
+        self.stage_devices = stage_devices or [model.device] * len(stages)
         self.cache = cache
         # Checking for non-finite values waits for the GPU; overlapped dispatch checks at decode.
         self.overlap = overlap
@@ -170,7 +211,7 @@ class ModelRunner:
     def encode_image(self, stream_id: int, image: np.ndarray) -> None:
         """*executor* The first image's latent [C, 1, h, w]."""
         model = self.model
-        pixels = image_from_uint8(image).to(model.device, model.dtype)
+        pixels = image_from_uint8(image).to(model.decoder_device, model.dtype)  # the VAE's device
         latent = model.vae.encode_image(pixels)[0].float()
         state = self.streams.get(stream_id)
         if state is not None:
@@ -207,11 +248,12 @@ class ModelRunner:
         if stage.index == 0:
             act = model.dit.embed(inputs)
         else:
+            device = self.stage_devices[stage.index]
             rows = [w.chunk.activation for w in works]
             act = StageActivation(
-                torch.cat([r.hidden for r in rows]),
-                torch.cat([r.modulation for r in rows]),
-                torch.cat([r.temb for r in rows]),
+                torch.cat([r.hidden.to(device) for r in rows]),
+                torch.cat([r.modulation.to(device) for r in rows]),
+                torch.cat([r.temb.to(device) for r in rows]),
                 rows[0].num_frames,
             )
         act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
@@ -241,18 +283,21 @@ class ModelRunner:
         ones, its timesteps, prompt, K/V view and actions."""
         model, sched = self.model, self.model.schedule
         phase, chunk = w.unit.phase, w.chunk
+        device = self.stage_devices[stage.index]
+        # The last stage made x0, stage 0 x_t: copied where this stage runs, when it differs.
         if phase >= 0:
             t = sched.timesteps[phase]
             if stage.index == 0:
                 shape = model.latent_shape(w.num_frames)
-                x_t = sched.step_input(w.seed, w.unit.chunk, phase, chunk.x0, shape, model.device)
+                x0 = None if chunk.x0 is None else chunk.x0.to(device)
+                x_t = sched.step_input(w.seed, w.unit.chunk, phase, x0, shape, device)
             else:
-                x_t = chunk.x_t
+                x_t = chunk.x_t.to(device)
         else:
-            t, x_t = model.config.context_timestep, chunk.x0
-        timesteps = torch.full((w.num_frames,), t, device=model.device)
+            t, x_t = model.config.context_timestep, chunk.x0.to(device)
+        timesteps = torch.full((w.num_frames,), t, device=device)
         la = self._latent_actions(w)
-        la = None if la is None else to_device(la, model.device)
+        la = None if la is None else to_device(la, device)
         return ChunkInput(x_t, timesteps, chunk.text, w.view, la)
 
     def _latent_actions(self, w: Work) -> torch.Tensor | None:

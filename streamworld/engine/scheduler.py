@@ -22,7 +22,7 @@ metadata (stream.py). It decides; it never computes, and it holds no tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .config import SchedulerConfig
@@ -51,11 +51,18 @@ class Scheduler:
         num_steps: int = 1,
         num_ranks: int = 1,
         max_decode_batch: int = 8,
+        stage_ranks: Sequence[int] | None = None,
     ) -> None:
         self.config = config or SchedulerConfig()
         self.num_stages = num_stages
         self.num_steps = num_steps
         self.num_ranks = num_ranks
+        # The rank that runs each stage (the placement's); by default stage g on g % ranks.
+        self.stage_ranks = (
+            list(stage_ranks) if stage_ranks is not None else [g % num_ranks for g in range(num_stages)]
+        )
+        if len(self.stage_ranks) != num_stages or not all(0 <= r < num_ranks for r in self.stage_ranks):
+            raise ValueError(f"stage_ranks {self.stage_ranks} must give each of {num_stages} stages a rank")
         self.max_decode_batch = max_decode_batch
 
     # --- admission --------------------------------------------------------------------------
@@ -134,7 +141,7 @@ class Scheduler:
 
     # --- DiT batches ------------------------------------------------------------------------
     def ready_units(self, streams: Iterable[Stream], rank: int) -> list[ReadyUnit]:
-        """The next unit of every chunk that can run now on `rank` (stage g on g % ranks)."""
+        """The next unit of every chunk that can run now on `rank` (the stages placed there)."""
         ready = []
         for stream in streams:
             if not stream.live:
@@ -147,7 +154,7 @@ class Scheduler:
                 if nxt is None:
                     continue
                 phase, stage = nxt
-                if stage % self.num_ranks != rank or not self.context_ready(
+                if self.stage_ranks[stage] != rank or not self.context_ready(
                     stream, chunk.index, phase, stage
                 ):
                     continue
@@ -197,3 +204,25 @@ class Scheduler:
             if (prio, stream.decoder_signature, chunk.num_frames) == key
         ]
         return picked[: self.max_decode_batch]
+
+
+# --- replicas -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the choice of a replica for a new stream looks at (replicas.py)."""
+
+    index: int
+    admits_now: bool  # it would admit the stream at once
+    free_pages: int  # pages per stage not reserved
+    waiting: int  # streams in its admission queue
+    live_in_class: int  # its live streams of the new stream's priority class
+
+
+def choose_replica(loads: Sequence[ReplicaLoad]) -> int:
+    """The replica that can admit a new stream soonest: among those that admit it now, the
+    one with the most free pages, then the fewest live streams of its class; if none can,
+    the one with the shortest queue (then the fewest live streams of its class)."""
+    now = [r for r in loads if r.admits_now]
+    if now:
+        return min(now, key=lambda r: (-r.free_pages, r.live_in_class, r.index)).index
+    return min(loads, key=lambda r: (r.waiting, r.live_in_class, r.index)).index

@@ -20,6 +20,7 @@ width, H heads of size d.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -216,8 +217,43 @@ class CausalWanDiT(nn.Module):
             if action_dim
             else None
         )
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._ops = _EAGER
+
+    # --- placement ----------------------------------------------------------------------
+    def place(self, stages: Sequence[tuple[int, int, torch.device | str]]) -> CausalWanDiT:
+        """Puts blocks [start, stop) of each stage on its device: the embeddings (patches,
+        timesteps, text, actions) with the first stage, the output norm and projection with
+        the last. Stages must cover every block once, in order. The prompt's cross-attention
+        K/V then live with their blocks (`prepare_text`), and each stage's rotary tables on
+        its own device."""
+        ranges = [(a, b, torch.device(d)) for a, b, d in stages]
+        if not ranges or ranges[0][0] != 0 or ranges[-1][1] != self.num_layers:
+            raise ValueError(
+                f"stages {[(a, b) for a, b, _ in ranges]} must cover blocks 0-{self.num_layers - 1}"
+            )
+        for (_, stop, _), (start, _, _) in itertools.pairwise(ranges):
+            if start != stop:
+                raise ValueError(f"stages must be contiguous: one ends at {stop}, the next starts at {start}")
+        tr = self.transformer
+        first, last = ranges[0][2], ranges[-1][2]
+        for start, stop, device in ranges:
+            for block in tr.blocks[start:stop]:
+                block.to(device)
+        tr.patch_embedding.to(first)
+        tr.condition_embedder.to(first)
+        tr.rope.to(first)
+        if self.action_adapter is not None:
+            self.action_adapter.to(first)
+        tr.norm_out.to(last)
+        tr.proj_out.to(last)
+        tr.scale_shift_table.data = tr.scale_shift_table.data.to(last)
+        return self
+
+    @property
+    def block_devices(self) -> list[torch.device]:
+        """The device of each block."""
+        return [block.attn1.to_q.weight.device for block in self.transformer.blocks]
 
     def compile_elementwise(self, frames_per_chunk: int) -> CausalWanDiT:
         """Fuse the blocks' elementwise arithmetic (adaLN, gated residuals, RoPE) with
@@ -228,12 +264,13 @@ class CausalWanDiT(nn.Module):
         torch.compile backend (Triton on CUDA, a C++ compiler on the CPU). Results equal the
         eager ones up to float rounding."""
         ops = _compiled_elementwise()
-        weight = self.transformer.proj_out.weight
-        dev, dtype = weight.device, weight.dtype
+        dtype = self.transformer.proj_out.weight.dtype
         p, d, hd = self.tokens_per_frame, self.dim, self.head_dim
-        norm2 = self.transformer.blocks[0].norm2
+        # One block per device stands for the others there (placed stages, `place`).
+        first_block = {dev: i for i, dev in reversed(list(enumerate(self.block_devices)))}
         with torch.inference_mode(), compiling.warming():
-            for b in (1, 2):
+            for (dev, i), b in itertools.product(first_block.items(), (1, 2)):
+                norm2 = self.transformer.blocks[i].norm2
                 for f in sorted({1, frames_per_chunk}):
                     x = torch.zeros(b, f * p, d, device=dev, dtype=dtype)
                     mods = torch.zeros(b, f, 6, d, device=dev)
@@ -254,13 +291,14 @@ class CausalWanDiT(nn.Module):
         return self._ops.compiled
 
     # --- positions ----------------------------------------------------------------------
-    def rope(self, num_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_frames, P, d] for temporal positions 0..num_frames-1 (float32)."""
-        cache = self._rope_cache
-        device = self.transformer.proj_out.weight.device
-        if cache is None or cache[0].shape[0] < num_frames or cache[0].device != device:
+    def rope(self, num_frames: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_frames, P, d] for temporal positions 0..num_frames-1 (float32), on
+        `device` (default: the last block's)."""
+        device = device or self.transformer.proj_out.weight.device
+        cache = self._rope_cache.get(device)
+        if cache is None or cache[0].shape[0] < num_frames:
             cache = self._build_rope(max(num_frames, 64), device)
-            self._rope_cache = cache
+            self._rope_cache[device] = cache
         return cache[0][:num_frames], cache[1][:num_frames]
 
     def _build_rope(self, num_frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,11 +332,13 @@ class CausalWanDiT(nn.Module):
         pos = torch.as_tensor(list(positions), dtype=torch.float64)
         return torch.outer(pos, inv_freq).repeat_interleave(2, dim=1)
 
-    def rope_at(self, frames: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_at(
+        self, frames: Sequence[int], device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(frames), P, d] for any absolute temporal positions (no table, so
-        no limit on how long a stream runs)."""
-        device = self.transformer.proj_out.weight.device
-        cos, sin = self.rope(1)  # the spatial (height, width) parts do not depend on time
+        no limit on how long a stream runs), on `device` (default: the last block's)."""
+        device = device or self.transformer.proj_out.weight.device
+        cos, sin = self.rope(1, device)  # the spatial (height, width) parts do not depend on time
         t_dim = self.transformer.rope.t_dim
         angles = self._temporal_angles(frames)
         n, p = angles.shape[0], cos.shape[1]
@@ -309,10 +349,13 @@ class CausalWanDiT(nn.Module):
 
         return full(angles.cos(), cos), full(angles.sin(), sin)
 
-    def temporal_shift(self, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def temporal_shift(
+        self, frames: int, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [d] that move already rotated keys `frames` positions later in time
-        (the height and width channels are left as they are)."""
-        device = self.transformer.proj_out.weight.device
+        (the height and width channels are left as they are), on `device` (default: the
+        last block's)."""
+        device = device or self.transformer.proj_out.weight.device
         angles = self._temporal_angles([frames])[0]
         rest = self.head_dim - angles.shape[0]
         cos = torch.cat([angles.cos(), torch.ones(rest, dtype=torch.float64)])
@@ -323,11 +366,14 @@ class CausalWanDiT(nn.Module):
     def prepare_text(self, text_embeds: torch.Tensor) -> CrossKV:
         """Cross-attention K/V of every block for one prompt; text_embeds [L, text_dim]."""
         ctx = self.transformer.condition_embedder.text_embedder(text_embeds.unsqueeze(0))  # [1, L, D]
+        on_device = {ctx.device: ctx}  # the text's context, copied once to each block's device
         keys, values = [], []
         for blk in self.transformer.blocks:
             attn = blk.attn2
-            keys.append(attn.norm_k(attn.to_k(ctx))[0].unflatten(-1, (self.heads, self.head_dim)))
-            values.append(attn.to_v(ctx)[0].unflatten(-1, (self.heads, self.head_dim)))
+            device = attn.to_k.weight.device
+            here = on_device.setdefault(device, ctx.to(device))
+            keys.append(attn.norm_k(attn.to_k(here))[0].unflatten(-1, (self.heads, self.head_dim)))
+            values.append(attn.to_v(here)[0].unflatten(-1, (self.heads, self.head_dim)))
         return CrossKV(keys, values)
 
     def _conditioning(
@@ -385,7 +431,10 @@ class CausalWanDiT(nn.Module):
         """
         ctx_frames = [u.kv.context_frames for u in units]
         p = self.tokens_per_frame
-        rotations = [self.rope_at(range(u.kv.first_frame, u.kv.first_frame + act.num_frames)) for u in units]
+        device = act.hidden.device
+        rotations = [
+            self.rope_at(range(u.kv.first_frame, u.kv.first_frame + act.num_frames), device) for u in units
+        ]
         q_cos = torch.stack([c.flatten(0, 1) for c, _ in rotations]).unsqueeze(2)  # [B, N, 1, d]
         q_sin = torch.stack([s.flatten(0, 1) for _, s in rotations]).unsqueeze(2)
         # Sink frames sit at absolute positions 0..; the window frames right before the chunk.
@@ -394,7 +443,7 @@ class CausalWanDiT(nn.Module):
         for u, c in zip(units, ctx_frames, strict=True):
             gap = u.kv.first_frame - c
             sinks = u.kv.sink_frames
-            sink_moves.append((sinks * p, self.temporal_shift(gap)) if sinks and gap else None)
+            sink_moves.append((sinks * p, self.temporal_shift(gap, device)) if sinks and gap else None)
         ops = self._ops
         q_turn = ops.turn(q_cos, q_sin)
         uniform = all(c == ctx_frames[0] for c in ctx_frames)

@@ -8,6 +8,7 @@ weight paths unless random weights are asked for explicitly (benchmarks).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,6 +214,33 @@ class WorldModel:
             # K/V and "non-finite values in the model output" for a stream's first chunk.)
             torch.cuda.synchronize(dev)
         return cls(config, dit, vae, text_encoder, dev, dt)
+
+    # --- placement --------------------------------------------------------------------------
+    def place(
+        self, stages: Sequence[tuple[int, int, torch.device | str]], decoder_device: torch.device | str
+    ) -> WorldModel:
+        """Spreads the model over devices: the DiT's blocks by stage (`CausalWanDiT.place`),
+        the decoder (and image encoder) on `decoder_device`. The text encoder and the inputs
+        of each step stay on the first stage's device, which becomes `self.device`. Cached
+        prompt encodings are dropped (their K/V lived on the old devices)."""
+        self.dit.place(stages)
+        self.vae.to(torch.device(decoder_device))
+        self.device = torch.device(stages[0][2])
+        cfg = self.config
+        if self.dit.elementwise_compiled:  # warm the compiled code up where the blocks are now
+            self.dit.compile_elementwise(cfg.latent_frames_per_chunk)
+        lite = getattr(self.vae, "lite", None)
+        if lite is not None and lite._compiled is not None:
+            lite.compile_for(cfg.latent_height, cfg.latent_width, cfg.latent_frames_per_chunk)
+        if self.text_encoder is not None:
+            self.text_encoder.model.to(self.device)
+        with self._text_lock:
+            self._text_cache.clear()
+        return self
+
+    @property
+    def decoder_device(self) -> torch.device:
+        return next(iter(self.vae.parameters()), torch.empty(0, device=self.device)).device
 
     # --- prompts ----------------------------------------------------------------------------
     def text_context(self, prompt: str) -> CrossKV:

@@ -36,6 +36,7 @@ from streamworld.client import FORMATS, Chunk, SessionInfo, StreamWorldClient, S
 from streamworld.media import write_mp4
 
 DEFAULT_URL = "ws://127.0.0.1:8000/v1/stream"
+MIN_VIDEO_SIDE = 256  # the written mp4 is enlarged to at least this (see --scale)
 DRAIN_S = 5.0  # after a stop, how long to wait for the chunks already under way
 PUSHT_WORLD = 512.0  # pusht actions are agent targets (x, y) in world units [0, 512], y down
 ARROWS = {b"A": "up", b"B": "down", b"C": "right", b"D": "left"}  # after ESC [
@@ -86,9 +87,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--hold", action="store_true", help="with --actions: hold policy (the last action repeats), not wait")
     add("--step", type=float, default=24.0, help="--keyboard with pusht: world units per key (default 24)")
     add("--out", default="stream.mp4", help="the mp4 to write (default %(default)s)")
+    add(
+        "--scale",
+        type=int,
+        metavar="N",
+        help="enlarge each frame N times in the mp4, pixel for pixel (default: the least that makes "
+        f"the shorter side at least {MIN_VIDEO_SIDE} px, e.g. 4 for pusht's 64x64)",
+    )
     args = p.parse_args(argv)
     if args.chunks is not None and args.chunks < 1:
         p.error(f"--chunks must be at least 1, got {args.chunks}")
+    if args.scale is not None and args.scale < 1:
+        p.error(f"--scale must be at least 1, got {args.scale}")
     if args.step <= 0:
         p.error(f"--step must be positive, got {args.step:g}")
     if args.actions and args.keyboard:
@@ -409,14 +419,21 @@ async def stream(
         return await finish(client, receiver, stopping)
 
 
-def save(recording: Recording, path: str) -> bool:
+def upscale(video: np.ndarray, scale: int | None) -> np.ndarray:
+    """[T, H, W, 3] enlarged `scale` times by repeating pixels (players smear tiny videos)."""
+    if scale is None:
+        scale = max(1, -(-MIN_VIDEO_SIDE // min(video.shape[1:3])))
+    return video if scale == 1 else video.repeat(scale, axis=1).repeat(scale, axis=2)
+
+
+def save(recording: Recording, path: str, scale: int | None = None) -> bool:
     """Writes what was received; whether that went well (or there was nothing to write)."""
     if recording.fps is None:
         return True  # the session never started
     if not recording.frames:
         print("no frames received: no mp4 written", file=sys.stderr)
         return True
-    video = np.concatenate(recording.frames)
+    video = upscale(np.concatenate(recording.frames), scale)
     try:
         write_mp4(video, path, fps=max(1, round(recording.fps)))
     except (OSError, ValueError) as e:
@@ -440,7 +457,7 @@ async def run(args: argparse.Namespace) -> int:
     except StreamWorldError as e:  # the connection ended while sending
         print(f"error: the session failed: {e}", file=sys.stderr)
         code = 1
-    return code if save(recording, args.out) else max(code, 1)
+    return code if save(recording, args.out, args.scale) else max(code, 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

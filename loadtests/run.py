@@ -122,17 +122,15 @@ async def run_load(cfg: LoadConfig, progress: bool = True) -> dict[str, Any]:
 
 
 async def _progress(viewers: list[Viewer], duration: float, t0: float) -> None:
+    """One line rewritten in place on a terminal; a line every 10 s into a log file."""
+    tty = sys.stderr.isatty()
     while True:
         t = time.monotonic() - t0
         live = sum(1 for v in viewers if v.rec.started_at is not None and v.rec.end == "unfinished")
         chunks = sum(len(v.rec.chunk_times) for v in viewers)
-        print(
-            f"\r{min(t, duration):6.1f}/{duration:.0f} s  sessions live {live:3d}  chunks {chunks:6d}",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
-        await asyncio.sleep(1.0)
+        line = f"{min(t, duration):6.1f}/{duration:.0f} s  sessions live {live:3d}  chunks {chunks:6d}"
+        print(f"\r{line}" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+        await asyncio.sleep(1.0 if tty else 10.0)
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -142,7 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] + " Open-loop Poisson arrivals (--arrival-rate) or N held "
         "sessions (--sessions); reports latency, jitter, real-time factor, playout deadlines, stalls, "
         "action-to-frame latency and errors, and checks the server frees every KV page.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--url", required=True, help="the server's stream endpoint, ws://HOST:PORT/v1/stream")
     p.add_argument("--duration", type=float, required=True, help="seconds of offered load")
@@ -155,21 +152,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--session-chunks",
         type=float,
         default=8.0,
-        help="mean session length in chunks (exponential) with --arrival-rate; 0 = until the run ends",
-    )
-    p.add_argument("--cancel-share", type=float, default=0.1, help="share of sessions that disconnect")
-    p.add_argument("--slow-share", type=float, default=0.1, help="share of sessions that read slowly")
-    p.add_argument(
-        "--slow-factor", type=float, default=3.0, help="a slow reader takes this many times real time"
+        help="mean session length in chunks (exponential) with --arrival-rate; 0 = until the run ends "
+        "(default %(default)s)",
     )
     p.add_argument(
-        "--priorities", default="interactive:1,standard:2,batch:1", help="priority mix, name:weight,..."
+        "--cancel-share",
+        type=float,
+        default=0.1,
+        help="share of sessions that disconnect (default %(default)s)",
     )
-    p.add_argument("--formats", default="jpeg:1,h264:1", help="wire format mix, name:weight,...")
+    p.add_argument(
+        "--slow-share",
+        type=float,
+        default=0.1,
+        help="share of sessions that read slowly (default %(default)s)",
+    )
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=3.0,
+        help="a slow reader takes this many times real time (default %(default)s)",
+    )
+    p.add_argument(
+        "--priorities",
+        default="interactive:1,standard:2,batch:1",
+        help="priority mix, name:weight,... (default %(default)s)",
+    )
+    p.add_argument(
+        "--formats",
+        default="jpeg:1,h264:1",
+        help="wire format mix, name:weight,... (default %(default)s)",
+    )
     p.add_argument("--kv-mode", choices=("clean", "final", "noisy"), help="KV mode (default: the model's)")
-    p.add_argument("--prompt", default="a walk through a forest", help="prompt (text models only)")
     p.add_argument(
-        "--playout-buffer", type=float, default=0.5, help="seconds the simulated player buffers first"
+        "--prompt",
+        default="a walk through a forest",
+        help="prompt (text models only; default %(default)r)",
+    )
+    p.add_argument(
+        "--playout-buffer",
+        type=float,
+        default=0.5,
+        help="seconds the simulated player buffers first (default %(default)s)",
     )
     p.add_argument("--no-actions", action="store_true", help="do not send actions to action models")
     p.add_argument(
@@ -178,8 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="acknowledge each chunk once read (protocol extension): the server then holds a slow "
         "reader's lag to a few chunks by pausing its stream, instead of letting socket buffers fill",
     )
-    p.add_argument("--drain", type=float, default=30.0, help="seconds for sessions to end after the run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the session plan (arrivals, mixes, lengths)")
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="seconds for sessions to end after the run (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the session plan (arrivals, mixes, lengths; default %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 

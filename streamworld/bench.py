@@ -35,7 +35,9 @@ from .engine import (
     AsyncEngine,
     EngineConfig,
     GenerationRequest,
+    Placement,
     ReferenceGenerator,
+    ReplicaSet,
     StreamRequest,
     on_torch_thread,
 )
@@ -64,6 +66,9 @@ class BenchConfig:
     # so it is bound by the host and swings more from run to run than the engine does.
     baseline_repeats: int = 1
     profile: bool = False  # CUDA only: where the GPU time goes (see the module docstring)
+    # Where the model runs: replicas (one engine each, as one pool) and stages on devices.
+    # None: one engine on the model's device, `engine.num_stages` stages on `num_ranks` ranks.
+    placement: Placement | None = None
 
     def engine_config(self) -> EngineConfig:
         """The engine this run starts: room for every stream; unpaced, no lookahead limit."""
@@ -87,6 +92,9 @@ class BenchConfig:
         }
         # A fault hook is a test's function, not a setting, and JSON cannot hold it.
         settings = asdict(replace(self, engine=replace(self.engine_config(), fault_hook=None)))
+        if self.placement is not None:
+            flat["placement"] = self.placement.describe()
+            flat["replicas"] = len(self.placement.replicas)
         return {**settings, **flat}
 
 
@@ -128,36 +136,43 @@ class _Window:
     busy: dict[str, float]  # per kind of executor, summed over its executors
 
 
-def _executors(engine: AsyncEngine) -> dict[str, list]:
-    return {"dit": list(engine.ranks), "decode": [engine.decoder], "encode": [engine.prep]}
+def _executors(engines: list[AsyncEngine]) -> dict[str, list]:
+    return {
+        "dit": [r for e in engines for r in e.ranks],
+        "decode": [e.decoder for e in engines],
+        "encode": [e.prep for e in engines],
+    }
 
 
-def _snapshot(engine: AsyncEngine) -> _Window:
+def _snapshot(engines: list[AsyncEngine]) -> _Window:
     return _Window(
-        dit_busy=[r.busy_s for r in engine.ranks],
-        busy={k: sum(ex.busy_s for ex in v) for k, v in _executors(engine).items()},
+        dit_busy=[r.busy_s for e in engines for r in e.ranks],
+        busy={k: sum(ex.busy_s for ex in v) for k, v in _executors(engines).items()},
     )
 
 
-async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
-    async with AsyncEngine(model, cfg.engine_config()) as engine:
-        # Warm-up (kernel selection, allocator, prompt cache), not measured.
-        warm = StreamRequest(
-            seed=10_000,
-            num_chunks=1,
-            prompt=_prompt(model, cfg),
-            kv_mode=cfg.kv_mode,
-            **_inputs(model, 10_000),
-        )
-        async for _ in engine.open_stream(warm):
-            pass
-        engine.stats.batch_sizes.clear()
-        executors = _executors(engine)
-        start = _snapshot(engine)
+def _engines(models: list[WorldModel], cfg: BenchConfig) -> list[AsyncEngine]:
+    """One engine per replica of the placement (one engine without a placement)."""
+    base = cfg.engine_config()
+    if cfg.placement is None:
+        return [AsyncEngine(models[0], base)]
+    return [
+        AsyncEngine(m, replace(base, placement=r))
+        for m, r in zip(models, cfg.placement.replicas, strict=True)
+    ]
+
+
+async def _engine_phase(models: list[WorldModel], cfg: BenchConfig) -> dict:
+    model = models[0]
+    engines = _engines(models, cfg)
+    async with ReplicaSet(engines) as replica_set:
+        await _warm_up(engines, model, cfg)
+        executors = _executors(engines)
+        start = _snapshot(engines)
         profiler = _start_profiler() if cfg.profile else None
         sampler = UtilisationSampler(model.device) if model.device.type == "cuda" else None
         t0 = time.monotonic()
-        handles = [engine.open_stream(_measured_stream(model, cfg, i)) for i in range(cfg.streams)]
+        handles = [replica_set.open_stream(_measured_stream(model, cfg, i)) for i in range(cfg.streams)]
         records: list[list[tuple[float, int, bool]]] = [[] for _ in handles]
 
         async def drain(i: int) -> None:
@@ -168,8 +183,9 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
         await asyncio.sleep(cfg.duration_s)
         t1 = time.monotonic()
         admitted = sum(1 for h in handles if h.queue_position == 0)  # before cancelling admits others
+        replica_of = [h.replica for h in handles]  # where each ran (a waiting stream may move)
         utilisation = sampler.stop() if sampler is not None else None
-        end = _snapshot(engine)
+        end = _snapshot(engines)
         profile = None
         if profiler is not None:
             threads = {tid: name for name, v in executors.items() for ex in v for tid in ex.thread_ids}
@@ -178,10 +194,10 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
             h.cancel()
         await asyncio.gather(*tasks)
         result = _stream_figures(records, t0, t1)
-        result["batch_size_histogram"] = dict(sorted(engine.stats.batch_sizes.items()))
+        result.update(_placement_figures(engines, executors, start, end, t1 - t0, result, replica_of))
         result.update(_executor_figures(model, executors, start, end, t1 - t0))
         result.update(
-            kv_pages_total=engine.pool.pages_total,
+            kv_pages_total=sum(e.pool.pages_total for e in engines),
             # Streams the engine admitted (the rest waited for K/V pages the whole run).
             streams_admitted=admitted,
             # CUDA: the driver's share of time in which a kernel ran (NVML), sampled over the
@@ -190,6 +206,59 @@ async def _engine_phase(model: WorldModel, cfg: BenchConfig) -> dict:
             profile=profile,
         )
     return result
+
+
+async def _warm_up(engines: list[AsyncEngine], model: WorldModel, cfg: BenchConfig) -> None:
+    """One short stream on every replica (kernel selection, allocator, prompt cache), not measured."""
+    warm = StreamRequest(
+        seed=10_000, num_chunks=1, prompt=_prompt(model, cfg), kv_mode=cfg.kv_mode, **_inputs(model, 10_000)
+    )
+    for engine in engines:
+        async for _ in engine.open_stream(warm):
+            pass
+        engine.stats.batch_sizes.clear()
+
+
+def _placement_figures(
+    engines: list[AsyncEngine],
+    executors: dict[str, list],
+    start: _Window,
+    end: _Window,
+    wall: float,
+    streams: dict,
+    replica_of: list[int],
+) -> dict:
+    """Batch sizes over every replica, DiT busy time per device, and per-replica figures."""
+    sizes: dict[int, int] = defaultdict(int)
+    for engine in engines:
+        for size, n in engine.stats.batch_sizes.items():
+            sizes[size] += n
+    for stream, replica in zip(streams["per_stream"], replica_of, strict=True):
+        stream["replica"] = replica
+    out = {
+        "batch_size_histogram": dict(sorted(sizes.items())),
+        "device_busy_share": _device_busy(executors["dit"], start, end, wall),
+    }
+    if len(engines) > 1:
+        out["per_replica"] = _replica_figures(streams["per_stream"], replica_of, len(engines))
+    return out
+
+
+def _device_busy(ranks: list, start: _Window, end: _Window, wall: float) -> dict[str, float]:
+    """Seconds of DiT work per second of the window, per device (ranks sharing a device add
+    up, so two virtual ranks that overlap on one GPU can exceed 1)."""
+    out: dict[str, float] = defaultdict(float)
+    for rank, b0, b1 in zip(ranks, start.dit_busy, end.dit_busy, strict=True):
+        out[str(rank.device)] += (b1 - b0) / wall
+    return dict(out)
+
+
+def _replica_figures(per_stream: list[dict], replica_of: list[int], replicas: int) -> list[dict]:
+    out = []
+    for r in range(replicas):
+        mine = [s for s, owner in zip(per_stream, replica_of, strict=True) if owner == r]
+        out.append({"replica": r, "streams": len(mine), "fps": sum(s["fps"] for s in mine)})
+    return out
 
 
 def _stream_figures(records: list[list[tuple[float, int, bool]]], t0: float, t1: float) -> dict:
@@ -392,8 +461,12 @@ def machine_description(model: WorldModel) -> str:
     return f"{platform.machine()} CPU, {torch.get_num_threads()} threads, PyTorch {torch.__version__}"
 
 
-def run_bench(model: WorldModel, cfg: BenchConfig) -> dict:
-    engine = asyncio.run(_engine_phase(model, cfg))
+def run_bench(models: WorldModel | list[WorldModel], cfg: BenchConfig) -> dict:
+    """`models`: the model, or one per replica of `cfg.placement`. The sequential baseline
+    runs on the first, on its device; a model spread over several devices has none."""
+    models = [models] if isinstance(models, WorldModel) else list(models)
+    model = models[0]
+    engine = asyncio.run(_engine_phase(models, cfg))
     result = {
         "model": model.config.id,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
@@ -402,7 +475,10 @@ def run_bench(model: WorldModel, cfg: BenchConfig) -> dict:
         "config": cfg.to_json(),
         "engine": engine,
     }
-    if cfg.baseline:
+    spread = cfg.placement is not None and len(cfg.placement.replicas[0].devices) > 1
+    if cfg.baseline and spread:
+        result["baseline_skipped"] = "the reference loop runs on one device; this model spans several"
+    elif cfg.baseline:
         per_stream = max(1, round(engine["chunks"] / max(cfg.streams, 1)))
         # Where the engine runs it (on a CPU, the process's PyTorch thread): a like-for-like ratio.
         base = on_torch_thread(model.device, lambda: _baseline_phase(model, cfg, per_stream))
@@ -423,9 +499,13 @@ def format_report(result: dict) -> str:
         f"{cfg['streams']} streams, {cfg['duration_s']:.0f} s, kv_mode {cfg['kv_mode'] or 'default'}, "
         f"{'paced (real-time clocks)' if cfg['paced'] else 'unpaced'}, {cfg['num_stages']} stage(s), "
         f"{cfg['num_ranks']} rank(s)",
+        *([f"placement {cfg['placement']}"] if cfg.get("placement") else []),
         *_engine_lines(result["engine"], cfg["streams"]),
+        *_placement_lines(result["engine"]),
         *_gpu_lines(result["engine"]),
     ]
+    if "baseline_skipped" in result:
+        lines.append(f"baseline skipped: {result['baseline_skipped']}")
     if "baseline" in result:
         b = result["baseline"]
         runs = b.get("runs_fps", [])
@@ -459,6 +539,16 @@ def _engine_lines(e: dict, streams: int) -> list[str]:
         "         executors busy "
         + ", ".join(f"{k} {v:.1%}" for k, v in e.get("executor_busy_share", {}).items()),
     ]
+
+
+def _placement_lines(e: dict) -> list[str]:
+    lines = []
+    busy = e.get("device_busy_share") or {}
+    if len(busy) > 1 or e.get("per_replica"):
+        lines.append("devices  DiT busy " + ", ".join(f"{d} {v:.1%}" for d, v in busy.items()))
+    for r in e.get("per_replica") or []:
+        lines.append(f"replica  {r['replica']}: {r['streams']} streams, {r['fps']:.1f} frames/s")
+    return lines
 
 
 def _gpu_lines(e: dict) -> list[str]:

@@ -49,7 +49,7 @@ def test_generate_writes_npy_equal_to_the_reference(tmp_path, tiny_model, capsys
 
 def test_generate_writes_a_playable_mp4(tmp_path, tiny_model):
     out = tmp_path / "clip.mp4"
-    assert main(["generate", "--chunks", "3", "--device", "cpu", "--out", str(out)]) == 0
+    assert main(["generate", "--model", "tiny-wan", "--chunks", "3", "--out", str(out)]) == 0
     cfg = tiny_model.config
     with av.open(str(out)) as container:
         stream = container.streams.video[0]
@@ -98,10 +98,30 @@ def test_actions_for_a_model_without_actions_is_a_clear_error(tmp_path, capsys):
     actions = tmp_path / "a.json"
     actions.write_text(json.dumps({"actions": [[0.0, 1.0]] * 9}))
     assert (
-        main(["generate", "--device", "cpu", "--actions", str(actions), "--out", str(tmp_path / "x.npy")])
+        main(["generate", "--model", "tiny-wan", "--actions", str(actions), "--out", str(tmp_path / "x.npy")])
         == 2
     )
     assert "takes no actions" in capsys.readouterr().err
+
+
+def test_generate_serves_the_default_model_and_says_what_it_ignores(tmp_path, capsys):
+    from streamworld.models import get_preset
+
+    cfg = get_preset("pusht")
+    out = tmp_path / "x.npy"
+    frames = cfg.first_chunk_frames  # one chunk
+    actions = tmp_path / "a.json"
+    actions.write_text(json.dumps([[256.0, 256.0]] * (frames + 5)))
+    argv = ["generate", "--chunks", "1", "--prompt", "a cat", "--actions", str(actions), "--out", str(out)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert np.load(out).shape == (frames, cfg.height, cfg.width, 3)  # pusht, the default of serve too
+    assert "--prompt is ignored: pusht takes no text prompt" in err
+    assert f"5 of the {frames + 5} actions in --actions are ignored" in err
+
+    actions.write_text(json.dumps([[256.0, 256.0]] * 2))
+    assert main(["generate", "--chunks", "1", "--actions", str(actions), "--out", str(out)]) == 0
+    assert f"--actions has 2 actions for {np.load(out).shape[0]} frames" in capsys.readouterr().err
 
 
 def test_module_entry_point_and_models_listing():
@@ -206,6 +226,35 @@ def test_serve_refuses_bad_session_limits_before_loading_anything(capsys, args, 
     assert err == f"streamworld serve: error: {message}"
 
 
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_serve_refuses_a_port_out_of_range_before_loading_anything(capsys, monkeypatch, port):
+    from streamworld.cli import serve
+
+    monkeypatch.setattr(serve, "load_served_models", lambda *a: pytest.fail("models loaded"))
+    assert main(["serve", "--port", port]) == 2
+    captured = capsys.readouterr()
+    assert f"--port must be between 0 and 65535, got {port}" in captured.err
+    assert "serving" not in captured.out
+
+
+@pytest.mark.parametrize("host", ["in-use", "no-such-host.invalid"])
+def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_anything(capsys, monkeypatch, host):
+    import socket
+
+    from streamworld.cli import serve
+
+    monkeypatch.setattr(serve, "load_served_models", lambda *a: pytest.fail("models loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        address = ["--host", "127.0.0.1"] if host == "in-use" else ["--host", host]
+        assert main(["serve", *address, "--port", str(port)]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot listen on {address[1]}:{port}" in captured.err
+    assert "serving" not in captured.out
+
+
 def test_every_command_explains_every_option():
     from streamworld.cli import build_parser
 
@@ -248,3 +297,96 @@ def test_bench_flags_become_one_engine_config_and_the_json_keeps_the_old_keys():
     assert (
         settings["engine"]["max_streams"] == 3 and settings["engine"]["scheduler"]["lookahead_chunks"] > 1e6
     )
+
+
+def test_serve_on_port_zero_announces_the_port_it_listens_on_and_says_when_it_stops():
+    import re
+    import signal
+    import urllib.request
+
+    argv = [sys.executable, "-m", "streamworld", "serve", "--model", "tiny-wan", "--port", "0"]
+    argv += ["--threads", "1"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = ""
+        for line in proc.stdout:  # the banner comes once the port listens
+            if "serving" in line:
+                banner = line
+                break
+        match = re.search(r"at http://127\.0\.0\.1:(\d+)/", banner)
+        assert match and int(match.group(1)) > 0, f"no port in the banner: {banner!r}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{match.group(1)}/healthz", timeout=10) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "stopping: draining live sessions" in rest
+    assert f"stopped serving at http://127.0.0.1:{match.group(1)}/" in rest
+
+
+def test_generate_pusht_without_actions_holds_the_agent_where_the_scene_puts_it(tmp_path):
+    held, corner = tmp_path / "held.npy", tmp_path / "corner.npy"
+    actions = tmp_path / "corner.json"
+    actions.write_text(json.dumps([[0.0, 0.0]]))  # what zeros would do: pull the agent to a corner
+    base = ["generate", "--seed", "2", "--chunks", "3"]
+    assert main([*base, "--out", str(held)]) == 0
+    assert main([*base, "--actions", str(actions), "--out", str(corner)]) == 0
+
+    def drift(path) -> float:
+        frames = np.load(path).astype(np.float32)
+        return float(np.abs(frames[-1] - frames[0]).mean())
+
+    assert drift(held) < drift(corner) / 2
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--devices", "cuda:0"], "pusht: device 'cuda:0': PyTorch sees no CUDA GPU here"),
+        (["--placement", "0-1@cpu"], "pusht: --placement leaves blocks 2-5 unplaced (the model has 6)"),
+        (["--placement", "pipeline", "--stages", "9"], "pusht: 9 stages but the model has only 6 blocks"),
+        (["--placement", "0-2@cpu,4-5@cpu"], "skips blocks"),
+        (["--devices", "tpu:0"], "not a device name"),
+        (["--devices", "meta"], "meta devices are not supported"),
+        (["--placement", "pipeline", "--ranks", "2"], "--ranks applies without --devices and --placement"),
+    ],
+)
+def test_serve_refuses_a_bad_placement_before_loading_anything(capsys, monkeypatch, args, message):
+    from streamworld.cli import serve
+
+    monkeypatch.setattr(serve, "load_served_models", lambda *a: pytest.fail("models loaded"))
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_serve_placement_flags_become_replicas_and_stages():
+    from streamworld.cli import build_parser
+    from streamworld.cli.serve import serve_config
+
+    def placed(*argv: str):
+        return serve_config(build_parser().parse_args(["serve", *argv])).placements["pusht"]
+
+    assert placed().describe() == "0-5@cpu,decode@cpu"
+    two = placed("--devices", "cpu,cpu")
+    assert len(two.replicas) == 2
+    pipeline = placed("--devices", "cpu,cpu", "--placement", "pipeline", "--stages", "3")
+    assert pipeline.describe() == "0-1@cpu,2-3@cpu,4-5@cpu,decode@cpu"
+    assert [s.rank for s in pipeline.replicas[0].stages] == [0, 1, 2]
+    assert placed("--stages", "2", "--ranks", "2").describe() == "0-2@cpu,3-5@cpu,decode@cpu"
+
+
+def test_bench_spreads_streams_over_replicas_and_reports_each(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "tiny-wan", "--streams", "4", "--duration", "1.5", "--unpaced"]
+    assert main([*args, "--devices", "cpu,cpu", "--json", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert "replica  0:" in report and "replica  1:" in report
+    result = json.loads(out.read_text())
+    replicas = result["engine"]["per_replica"]
+    assert [r["streams"] for r in replicas] == [2, 2]
+    assert all(r["fps"] > 0 for r in replicas)
+    assert {s["replica"] for s in result["engine"]["per_stream"]} == {0, 1}
+    assert result["config"]["replicas"] == 2 and "baseline" in result

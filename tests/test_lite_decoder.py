@@ -184,7 +184,7 @@ def test_distill_decoder_cli_trains_weights_that_serve(tmp_path, capsys):
     assert report["held_out_psnr_db"] > report["held_out_psnr_db_before"]
     assert "held-out PSNR" in capsys.readouterr().out
     npy = tmp_path / "x.npy"
-    gen = ["generate", "--chunks", "2", "--device", "cpu", "--decoder", "lite", "--out", str(npy)]
+    gen = ["generate", "--model", "tiny-wan", "--chunks", "2", "--decoder", "lite", "--out", str(npy)]
     assert main([*gen, "--decoder-weights", str(out)]) == 0
     assert np.load(npy).shape == (9 + 12, 64, 64, 3)
 

@@ -182,3 +182,25 @@ async def test_acking_slow_readers_end_cleanly_and_the_server_does_not_run_ahead
     # the chunks that had started when the stream paused.
     assert generated <= (read + 2 * 6) * result["model"]["frames_per_chunk"] < 160
     assert run.check(result) == []
+
+
+def test_the_help_states_each_default_once():
+    parser = run.build_parser()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        text = formatter._expand_help(action) if action.help else ""
+        assert text.count("(default") <= 1, f"{action.option_strings}: {text}"
+        assert "None" not in text
+    help_text = " ".join(parser.format_help().split())  # as one line: the help wraps
+    assert "(default 8.0)" in help_text and "(default 30.0)" in help_text
+
+
+async def test_progress_goes_line_by_line_into_a_log(capsys):
+    import asyncio
+    import time
+
+    task = asyncio.create_task(run._progress([], 5.0, time.monotonic()))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.endswith("\n") and "sessions live" in err

@@ -266,7 +266,7 @@ async def test_interactive_client_streams_actions_from_a_file_into_an_mp4(pusht_
 
     with av.open(str(out)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert len(frames) == 8 and frames[0].shape == (64, 64, 3)
+    assert len(frames) == 8 and frames[0].shape == (256, 256, 3)  # enlarged 4 times by default
     # Keyboard mode needs a terminal: a clear error and exit code 2, no session.
     code, _, stderr = await _run_example(client, "--url", pusht_server, "--keyboard")
     assert code == 2 and "terminal" in stderr.lower()

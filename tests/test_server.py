@@ -319,7 +319,7 @@ async def test_a_client_that_stops_reading_does_not_hold_up_others(models):
         frames = await _frames(url, "tiny-wan", 3, 3)
         assert frames.shape[0] == model.config.first_chunk_frames + 2 * model.config.frames_per_chunk
         # The slow session was paused, never ran far ahead, and is ended within its timeout.
-        engine = server.models["tiny-wan"].engine
+        (engine,) = server.models["tiny-wan"].engine.engines
         for _ in range(200):
             if not server.sessions:
                 break
@@ -386,7 +386,7 @@ async def test_graceful_shutdown_ends_live_sessions_with_done(models):
         assert c.done_reason == "stopped"
         assert c.close_code == 1000
         await c.close()
-    engine = server.models["tiny-wan"].engine
+    (engine,) = server.models["tiny-wan"].engine.engines
     assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
 
 
@@ -501,7 +501,7 @@ async def test_acks_hold_a_slow_but_reading_client_to_its_window_and_a_silent_on
     limits = SessionLimits(ack_window=2, slow_client_timeout_s=1.0)
     server, test_server = await start_server(models, limits=limits)
     url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
-    engine = server.models["tiny-wan"].engine
+    (engine,) = server.models["tiny-wan"].engine.engines
     try:
         # Acks each chunk as it is consumed: completes, with exactly the reference's frames.
         async with StreamWorldClient(url, format="rgb", num_chunks=4, seed=5, ack=True) as c:

@@ -9,6 +9,7 @@ browser a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -206,3 +207,136 @@ def test_a_text_model_takes_a_prompt_and_switches_it_mid_stream(server, page):
     assert _stats(page)["errors"] == [] and page.console_errors == []
     page.click("#stop")
     page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+
+
+_LAYOUT = """() => {
+  const box = (id) => document.getElementById(id).getBoundingClientRect();
+  const c = document.getElementById('screen');
+  return {canvas: [c.width, c.height], shown: [box('screen').width, box('screen').height],
+          seed: box('seed').width, format: box('format').width, model: box('model').width,
+          stats: document.getElementById('st-state').closest('section').getBoundingClientRect().width,
+          scrollWidth: document.documentElement.scrollWidth, innerWidth: window.innerWidth};
+}"""
+
+
+def _assert_aspect_kept(layout: dict) -> None:
+    (w, h), (shown_w, shown_h) = layout["canvas"], layout["shown"]
+    assert shown_w >= min(w, 200), f"the video is squashed to {shown_w:.0f} px wide"
+    assert shown_w / shown_h == pytest.approx(w / h, rel=0.01), f"{w}x{h} shown as {shown_w}x{shown_h}"
+
+
+@pytest.mark.parametrize("width", [390, 800, 1024, 1400])
+def test_the_layout_keeps_the_video_aspect_ratio_at_every_width(server, browser, width):
+    context = browser.new_context(viewport={"width": width, "height": 900})
+    page = context.new_page()
+    try:
+        page.goto(f"{server}/?format=jpeg&seed=2")
+        page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+        idle = page.evaluate(_LAYOUT)
+        _assert_aspect_kept(idle)
+        page.click("#start")
+        _wait_frames(page, 2)
+        running = page.evaluate(_LAYOUT)
+        _assert_aspect_kept(running)
+        assert running["scrollWidth"] <= running["innerWidth"], "the page scrolls sideways"
+        # The controls line up, and the stats column keeps its width from idle to running.
+        assert running["seed"] == pytest.approx(running["format"], abs=1)
+        assert running["format"] == pytest.approx(running["model"], abs=1)
+        assert running["stats"] == pytest.approx(idle["stats"], abs=1)
+        # A wide stream (480x832, as Wan's) keeps its shape too.
+        page.evaluate("() => { const c = document.getElementById('screen'); c.width = 832; c.height = 480; }")
+        _assert_aspect_kept(page.evaluate(_LAYOUT))
+        page.click("#stop")
+        page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+    finally:
+        context.close()
+
+
+def test_a_server_error_is_shown_and_stale_frames_are_cleared(server, page, tmp_path):
+    page.goto(f"{server}/?format=jpeg&seed=4")
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+    assert not page.is_visible("#error")
+    page.click("#start")
+    _wait_frames(page, 4)
+    page.click("#stop")
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+    last_frame = _canvas_digest(page)
+    assert page.inner_text("#st-chunk") != "-"
+
+    bad = tmp_path / "scene.png"
+    bad.write_bytes(b"this is not an image")
+    page.set_input_files("#image", str(bad))
+    page.click("#start")
+    page.wait_for_function("() => window.streamworld.errors.length > 0", timeout=20000)
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+    error = page.inner_text("#error")
+    assert page.is_visible("#error")
+    assert "not a readable PNG or JPEG" in error and "bad_request" in error
+    assert "not a readable PNG or JPEG" in page.inner_text("#status")
+    assert page.inner_text("#st-chunk") == "-"
+    assert _canvas_digest(page) != last_frame  # the old picture is gone
+
+    # The next good start clears the message.
+    page.set_input_files("#image", [])
+    page.click("#start")
+    _wait_frames(page, 2)
+    assert not page.is_visible("#error")
+    page.click("#stop")
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+
+
+_LOG_HAS = "() => document.getElementById('log').textContent.includes('%s')"
+
+
+def _sent_actions(sent: list) -> list[list[float]]:
+    messages = [json.loads(m) for m in sent if isinstance(m, str)]
+    return [m["actions"][0] for m in messages if m.get("type") == "action"]
+
+
+def _protocol_example() -> str:
+    """The JavaScript example page of docs/protocol.md, as written there."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    section = doc.split("## JavaScript example (browser)", 1)[1]
+    return section.split("```html\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_protocol_docs_javascript_example_plays_and_steers_pusht(server, page):
+    html = _protocol_example()
+    ws_url = server.replace("http://", "ws://") + "/v1/stream"
+    assert 'const SERVER = "ws://127.0.0.1:8123/v1/stream"' in html
+    html = html.replace("ws://127.0.0.1:8123/v1/stream", ws_url)
+    sent: list[str] = []
+    page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(payload)))
+    # The page runs at the server's own origin, as a page the server served would (Chromium
+    # blocks pages of unknown origin from opening connections to a local address).
+    page.route("**/favicon.ico", lambda route: route.fulfill(status=204))
+    page.goto(f"{server}/healthz")
+    page.set_content(html)
+    page.wait_for_function(
+        "() => document.getElementById('log').textContent.includes('chunk 2:')", timeout=60000
+    )
+    log = page.inner_text("#log")
+    assert "started" in log and "pusht" in log and "error" not in log
+    lit = page.evaluate(
+        """() => { const c = document.getElementById('view');
+                   const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                   let n = 0; for (let i = 0; i < d.length; i += 4) n += d[i] + d[i + 1] + d[i + 2] > 0;
+                   return n / (d.length / 4); }"""
+    )
+    assert lit > 0.5  # frames were drawn
+    actions = _sent_actions(sent)
+    assert actions, "the page did not hold the agent where the scene puts it"
+    start = actions[0]
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowDown")
+    page.wait_for_timeout(300)
+    actions = _sent_actions(sent)
+    assert actions[-2] == pytest.approx([min(512, start[0] + 24), start[1]])
+    assert actions[-1] == pytest.approx([min(512, start[0] + 24), min(512, start[1] + 24)])
+    page.keyboard.press("Escape")
+    page.wait_for_function(
+        "() => document.getElementById('log').textContent.includes('done: stopped')", timeout=30000
+    )
+    assert page.console_errors == []

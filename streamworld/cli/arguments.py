@@ -17,13 +17,16 @@ if TYPE_CHECKING:
     from ..engine import EngineConfig
 
 KV_MODES = ("clean", "final", "noisy")
+DEFAULT_MODEL = "pusht"  # the embedded PushT world model: the default of every command
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """--model (one preset, default tiny-wan) and the weight arguments."""
+    """--model (one preset, default pusht) and the weight arguments."""
     group = parser.add_argument_group("model and weights")
     group.add_argument(
-        "--model", default="tiny-wan", help="model preset (see `streamworld models`; default: tiny-wan)"
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"model preset (see `streamworld models`; default: {DEFAULT_MODEL})",
     )
     add_weight_arguments(group)
 
@@ -87,17 +90,41 @@ def _add_runtime_arguments(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--threads",
         type=int,
-        help="PyTorch CPU threads (default: PyTorch's, one per core). Use 1 when other busy "
-        "processes share the cores: OpenMP threads then lose whole time slices (docs/benchmarks.md)",
+        help="PyTorch CPU threads, fixed. Default: serve on a CPU adapts the count to the cores that other "
+        "processes leave free (all of them on a quiet machine, fewer beside busy ones; Linux); other "
+        "commands use PyTorch's default, one per core (docs/benchmarks.md, CPU threads next to other work)",
     )
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Stages, ranks, the first-chunk budget and the batch limits (`EngineConfig`)."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--stages", type=int, default=1, help="block stages per forward (default 1)")
     group.add_argument(
-        "--ranks", type=int, default=1, help="virtual ranks (threads / CUDA streams) (default 1)"
+        "--stages",
+        type=int,
+        help="block stages per forward (default 1; with --placement pipeline, one per device; with "
+        "replicas, the stages of each replica on its device)",
+    )
+    group.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="virtual ranks (threads / CUDA streams) that the stages share, without --placement "
+        "(default 1; a placement gives each stage its own rank)",
+    )
+    group.add_argument(
+        "--devices",
+        metavar="DEV,DEV",
+        help="devices to place the model on, e.g. cuda:0,cuda:1 (default: --device); a device named "
+        "twice holds two replicas or stages that time-share it",
+    )
+    group.add_argument(
+        "--placement",
+        metavar="HOW",
+        help="how the model uses --devices: replicas (default: a whole model per device, more "
+        "streams), pipeline (the blocks split over the devices in order, faster streams), or a "
+        "stage map such as 0-13@cuda:0,14-29@cuda:1,decode@cuda:1 (blocks inclusive; | separates "
+        "replicas); see docs/deploy.md",
     )
     group.add_argument(
         "--ttff-budget",
@@ -119,6 +146,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def check_engine_arguments(args: argparse.Namespace) -> None:
     if args.max_batch < 1 or args.token_budget < 1:
         raise UsageError("--max-batch and --token-budget must be at least 1")
+    if (args.stages is not None and args.stages < 1) or args.ranks < 1:
+        raise UsageError("--stages and --ranks must be at least 1")
+    if args.ranks != 1 and (args.devices or args.placement):
+        raise UsageError(
+            "--ranks applies without --devices and --placement (a placement gives each stage a rank)"
+        )
 
 
 def engine_config(args: argparse.Namespace, **settings) -> EngineConfig:
@@ -126,7 +159,7 @@ def engine_config(args: argparse.Namespace, **settings) -> EngineConfig:
     from ..engine import EngineConfig, SchedulerConfig
 
     return EngineConfig(
-        num_stages=args.stages,
+        num_stages=args.stages or 1,
         num_ranks=args.ranks,
         ttff_budget_s=args.ttff_budget,
         scheduler=SchedulerConfig(max_batch_units=args.max_batch, token_budget=args.token_budget),

@@ -11,6 +11,7 @@ from .errors import UsageError
 
 if TYPE_CHECKING:
     from ..bench import BenchConfig
+    from ..engine import Placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -75,10 +76,11 @@ def _add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def bench_config(args: argparse.Namespace) -> BenchConfig:
+def bench_config(args: argparse.Namespace, placement: Placement | None = None) -> BenchConfig:
     from ..bench import BenchConfig
 
     return BenchConfig(
+        placement=placement,
         streams=args.streams,
         duration_s=args.duration,
         kv_mode=args.kv_mode,
@@ -102,12 +104,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--baseline-repeats must be at least 1")
     arguments.check_engine_arguments(args)
     arguments.check_output_folder("--json", args.json)
-    model = loading.load_model(args)
-    if args.profile and model.device.type != "cuda":
+    config = loading.preset(args)
+    placed = loading.placement(args, config.num_layers)  # checked before any weights load
+    if args.devices or args.placement:
+        loading.apply_threads(args)
+        loading.check_weight_paths(args)
+        models = loading.load_placed(
+            config, loading.weight_paths(args), loading.LoadOptions.from_args(args), placed
+        )
+    else:
+        models = [loading.load_model(args)]
+        placed = None
+    if args.profile and models[0].device.type != "cuda":
         raise UsageError("--profile reads GPU kernel times and needs a CUDA device (--device cuda)")
-    if args.stages > model.config.num_layers:
-        raise UsageError(f"--stages must be at most {model.config.num_layers} (the model's blocks)")
-    result = run_bench(model, bench_config(args))
+    result = run_bench(models, bench_config(args, placed))
     print(format_report(result))
     if args.json:
         write_json(result, args.json)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -34,7 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--actions",
         metavar="FILE.json",
-        help='per-video-frame actions: a JSON list of vectors, or {"actions": [[...], ...]}',
+        help='per-video-frame actions: a JSON list of vectors, or {"actions": [[...], ...]}; the last '
+        "is held for the frames after it. Default: pusht holds the agent where the first frame shows it, "
+        "other action models get zeros",
     )
     parser.add_argument("--kv-mode", choices=arguments.KV_MODES, help="KV mode (default: the model's)")
     parser.add_argument(
@@ -96,13 +99,18 @@ def run(args: argparse.Namespace) -> int:
     actions = read_actions(args.actions) if args.actions else None
     image = read_image(args.image) if args.image else None
     model = loading.load_model(args)
+    if args.prompt and not model.config.takes_prompt:
+        note(f"--prompt is ignored: {model.config.id} takes no text prompt")
     if image is None and model.config.needs_image:
-        from ..scenes import first_frame_source
+        from ..scenes import first_frame_source, resting_action
 
         first_frame = first_frame_source(model.config)
         if first_frame is None:
             raise UsageError(f"model {model.config.id} needs --image")
-        image, _ = first_frame(args.seed)
+        image, scene = first_frame(args.seed)
+        rest = resting_action(model.config, scene)
+        if actions is None and rest is not None:
+            actions = np.asarray([rest], dtype=np.float32)  # held for every frame
     request = GenerationRequest(
         seed=args.seed,
         num_chunks=args.chunks,
@@ -119,12 +127,32 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     _write(result.frames, out, model.config.fps)
     t, h, w, _ = result.frames.shape
+    if args.actions:
+        _note_actions(len(actions), t, args.chunks)
     print(
         f"wrote {out}: {t} frames of {h}x{w} (height x width, {args.chunks} chunks, kv_mode "
         f"{request.kv_mode or model.config.default_kv_mode}) in {elapsed:.2f} s "
         f"({t / elapsed:.1f} frames/s)"
     )
     return 0
+
+
+def note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
+def _note_actions(given: int, frames: int, chunks: int) -> None:
+    """Says where --actions and the clip's length disagree (one action per video frame)."""
+    if given > frames:
+        note(
+            f"{given - frames} of the {given} actions in --actions are ignored: "
+            f"{chunks} chunks make {frames} frames (raise --chunks to use them)"
+        )
+    elif given < frames:
+        note(
+            f"--actions has {given} actions for {frames} frames: "
+            f"the last one is held for the other {frames - given}"
+        )
 
 
 def _write(frames: np.ndarray, out: Path, fps: int) -> None:

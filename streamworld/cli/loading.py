@@ -19,6 +19,7 @@ from .errors import UsageError
 if TYPE_CHECKING:
     import torch
 
+    from ..engine import Placement, ThreadGovernor
     from ..models.config import ModelConfig
     from ..models.vae import StreamingVAE
     from ..models.world_model import WeightPaths, WorldModel
@@ -50,13 +51,29 @@ class LoadOptions:
         )
 
 
-def apply_threads(args: argparse.Namespace) -> None:
+def apply_threads(args: argparse.Namespace, adaptive: bool = False) -> ThreadGovernor | None:
+    """--threads N fixes PyTorch's CPU thread count. Without it, `adaptive` (serve) starts a
+    governor that follows other processes' load on a CPU device (streamworld.engine.cpu_threads);
+    otherwise PyTorch's default (one per core) stands."""
     if args.threads is not None:
         if args.threads < 1:
             raise UsageError("--threads must be at least 1")
         import torch
 
         torch.set_num_threads(args.threads)
+        return None
+    if not adaptive:
+        return None
+    from ..engine import ThreadGovernor
+    from ..models.world_model import resolve_device
+
+    try:
+        if resolve_device(args.device).type != "cpu":
+            return None
+    except RuntimeError:
+        return None  # no such device: loading the model says so
+    governor = ThreadGovernor.for_torch()
+    return governor.start() if governor.available() else None
 
 
 def check_weight_paths(args: argparse.Namespace) -> None:
@@ -166,3 +183,69 @@ def load_teacher_vae(config: ModelConfig, vae_path: str | None, device: torch.de
         return StreamingVAE.from_config(config, seed=config.init_seed + 1).to(device, dtype)
     except LOAD_ERRORS as e:
         raise UsageError(str(e)) from None
+
+
+def placement(args: argparse.Namespace, num_layers: int, label: str = "") -> Placement:
+    """Where a model of `num_layers` blocks runs: --devices and --placement, or without them
+    --stages and --ranks on --device (one replica). Checked here, devices included."""
+    from ..engine import PlacementError, check_devices, parse_placement, single_device
+    from ..models.world_model import resolve_device
+
+    try:
+        if not args.devices and not args.placement:
+            device = str(resolve_device(args.device))
+            return single_device(device, num_layers, args.stages or 1, args.ranks)
+        devices = args.devices.split(",") if args.devices else [str(resolve_device(args.device))]
+        placed = parse_placement(args.placement or "replicas", devices, num_layers, args.stages)
+        check_devices(placed, device_problem)
+    except PlacementError as e:
+        raise UsageError(f"{label}{e}") from None
+    except RuntimeError as e:  # resolve_device: no such device
+        raise UsageError(f"{label}--device: {e}") from None
+    return placed
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used here, or None."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        return "not a device name (cpu, cuda or cuda:N)"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"{dev.type} devices are not supported (cpu, cuda or cuda:N)"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return "PyTorch sees no CUDA GPU here"
+    if dev.index is not None and dev.index >= count:
+        return f"this machine has {count} CUDA device{'s' if count != 1 else ''} (cuda:0-{count - 1})"
+    return None
+
+
+def load_placed(
+    config: ModelConfig, weights: WeightPaths | None, options: LoadOptions, placed: Placement, label: str = ""
+) -> list[WorldModel]:
+    """One model per replica of `placed`, its blocks and decoder where the replica says.
+    Replicas that use the same single device share one model (the weights are read-only)."""
+    models: dict[tuple, WorldModel] = {}
+    out = []
+    for replica in placed.replicas:
+        key = replica.devices if len(replica.devices) == 1 else ("replica", len(out))
+        if key not in models:
+            here = dataclasses.replace(options, device=replica.home_device)
+            model = load_world_model(config, weights, here, label)
+            if len(replica.devices) > 1:
+                stages = [(s.start, s.stop, s.device) for s in replica.stages]
+                on_torch_thread_place(model, stages, replica.decoder_device)
+            models[key] = model
+        out.append(models[key])
+    return out
+
+
+def on_torch_thread_place(model: WorldModel, stages: list, decoder_device: str) -> None:
+    from ..engine import on_torch_thread
+
+    on_torch_thread(model.device, lambda: model.place(stages, decoder_device))

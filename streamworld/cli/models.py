@@ -7,7 +7,12 @@ import json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("models", help="list the model presets")
+    parser = sub.add_parser(
+        "models",
+        help="list the model presets",
+        description="List the model presets: frame size as height x width (as --frame-size takes it), "
+        "frame rate, frames per chunk and inputs. `serve` serves pusht unless --model says otherwise.",
+    )
     parser.add_argument("--json", action="store_true", help="print the /v1/models entries as JSON")
     parser.set_defaults(func=run)
 
@@ -20,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"models": entries}, indent=2))
         return 0
     for e in entries:
-        size = f"{e['width']}x{e['height']} @ {e['fps']} fps, {e['frames_per_chunk']} frames/chunk"
+        # height x width, as --frame-size takes it
+        size = f"{e['height']}x{e['width']} (HxW) @ {e['fps']} fps, {e['frames_per_chunk']} frames/chunk"
         inputs = f"actions {e['action_dim']}, prompt {e['takes_prompt']}, image {e['needs_image']}"
         print(f"{e['id']:18} {size}, {inputs}: {e['description']}")
     return 0

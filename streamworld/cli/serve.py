@@ -16,11 +16,9 @@ from . import arguments, loading
 from .errors import UsageError
 
 if TYPE_CHECKING:
-    from ..engine import EngineConfig
+    from ..engine import EngineConfig, Placement
     from ..models.world_model import WorldModel
     from ..server import ServerConfig, SessionLimits, StreamWorldServer
-
-DEFAULT_MODEL = "pusht"
 
 
 class LimitFlag(NamedTuple):
@@ -81,6 +79,7 @@ class ServeConfig:
     port: int
     engine: EngineConfig
     server: ServerConfig
+    placements: dict[str, Placement]  # per model: its replicas, stages and devices
 
 
 def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +129,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     arguments.add_weight_arguments(models)  # they apply to the real-size models, or to the only model served
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="port, 1-65535; 0 picks a free one (default 8000)"
+    )
     parser.add_argument(
         "--max-sessions",
         type=int,
@@ -160,7 +161,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     from ..models import PRESETS
     from ..server import ServerConfig
 
-    model_ids = args.models or [DEFAULT_MODEL]
+    model_ids = args.models or [arguments.DEFAULT_MODEL]
     unknown = [m for m in model_ids if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
@@ -168,12 +169,17 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError("each --model may be given once")
     if args.max_sessions < 1 or args.max_queue < 0:
         raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
     if args.max_connections < 1:
         raise UsageError("--max-connections must be at least 1")
     token = args.auth_token if args.auth_token is not None else os.environ.get(TOKEN_ENV)
     if token is not None and not token.strip():
         raise UsageError(f"--auth-token (or {TOKEN_ENV}) must not be empty")
     arguments.check_engine_arguments(args)
+    placements = {
+        mid: loading.placement(args, PRESETS[mid].num_layers, label=f"{mid}: ") for mid in model_ids
+    }
     return ServeConfig(
         model_ids=model_ids,
         host=args.host,
@@ -185,6 +191,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             allowed_origins=tuple(args.allowed_origins),
             auth_token=token,
         ),
+        placements=placements,
     )
 
 
@@ -206,8 +213,11 @@ def session_limits(args: argparse.Namespace) -> SessionLimits:
     return SessionLimits(**given)
 
 
-def load_served_models(args: argparse.Namespace, model_ids: list[str]) -> dict[str, WorldModel]:
-    """Each model with the weight arguments that apply to it (see --model's help)."""
+def load_served_models(
+    args: argparse.Namespace, model_ids: list[str], placements: dict[str, Placement]
+) -> dict[str, list[WorldModel]]:
+    """Each model with the weight arguments that apply to it (see --model's help), one per
+    replica of its placement (replicas on one device share it)."""
     from ..models import PRESETS
     from ..models.world_model import WeightPaths
 
@@ -225,9 +235,7 @@ def load_served_models(args: argparse.Namespace, model_ids: list[str]) -> dict[s
         else:  # a small model next to others: its own weights, but the lite decoder's if given
             lite = options.decoder == "lite"
             model_weights = WeightPaths(lite_decoder=args.decoder_weights) if lite else None
-        models[mid] = loading.load_world_model(config, model_weights, options, label=f"{mid}: ")
-        if args.stages > config.num_layers:
-            raise UsageError(f"--stages must be at most {config.num_layers} for {mid}")
+        models[mid] = loading.load_placed(config, model_weights, options, placements[mid], label=f"{mid}: ")
     return models
 
 
@@ -238,19 +246,41 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = serve_config(args)
-    loading.apply_threads(args)
+    check_address(config.host, config.port)  # before the models load: a taken port fails at once
+    governor = loading.apply_threads(args, adaptive=True)
     loading.check_weight_paths(args)
-    models = load_served_models(args, config.model_ids)
-    _run_server(config, models)
+    models = load_served_models(args, config.model_ids, config.placements)
+    try:
+        _run_server(config, models)
+    finally:
+        if governor is not None:
+            governor.stop()
     return 0
 
 
-def _run_server(config: ServeConfig, models: dict[str, WorldModel]) -> None:
+def check_address(host: str, port: int) -> None:
+    """Fails with a usage error where `host:port` cannot be listened on (a port in use, a host
+    name that does not resolve or is not this machine's). The server binds again later."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as e:
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+def _run_server(config: ServeConfig, models: dict[str, list[WorldModel]]) -> None:
     import asyncio
 
     from ..server import StreamWorldServer
 
-    server = StreamWorldServer(models, config.engine, config.server, default_model=config.model_ids[0])
+    server = StreamWorldServer(
+        models, config.engine, config.server, default_model=config.model_ids[0], placements=config.placements
+    )
     try:
         import uvloop
 
@@ -264,6 +294,7 @@ async def _serve_until_signal(server: StreamWorldServer, config: ServeConfig) ->
     """Serves until SIGINT or SIGTERM, then drains while the port still listens (/healthz says
     503, live sessions get session.done) before the port closes."""
     import asyncio
+    import logging
     import signal
 
     from aiohttp import web
@@ -276,17 +307,30 @@ async def _serve_until_signal(server: StreamWorldServer, config: ServeConfig) ->
             await web.TCPSite(runner, host, port).start()
         except OSError as e:
             raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        port = _bound_port(runner, port)  # --port 0: the port the system picked
         token = " (a token is required)" if config.server.auth_token is not None else ""
         print(
             f"StreamWorld serving {', '.join(config.model_ids)} at http://{host}:{port}/ "
             f"(streams: ws://{host}:{port}/v1/stream){token}; Ctrl-C stops",
             flush=True,
         )
+        for mid, placed in config.placements.items():
+            if len(placed.replicas) > 1 or len(placed.replicas[0].stages) > 1:
+                print(f"  {mid}: {len(placed.replicas)} replica(s): {placed.describe()}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        logging.getLogger("streamworld.serve").info("stopping: draining live sessions")
         await server.drain()
     finally:
         await runner.cleanup()
+    print(f"StreamWorld stopped serving at http://{host}:{port}/", flush=True)
+
+
+def _bound_port(runner, default: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return default

@@ -179,6 +179,7 @@ class ModelConfig:
             "frames_per_chunk": self.frames_per_chunk,
             "first_chunk_frames": self.first_chunk_frames,
             "action_dim": self.action_dim,
+            "action_range": list(self.action_range) if self.action_dim else None,
             "needs_image": self.needs_image,
             "takes_prompt": self.takes_prompt,
             "kv_modes": list(self.kv_modes),

@@ -19,8 +19,9 @@ import hmac
 import importlib.util
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from http import HTTPStatus
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..engine import AsyncEngine, EngineConfig
+from ..engine import AsyncEngine, EngineConfig, Placement, ReplicaSet
 from ..models.world_model import WorldModel
 from ..scenes import first_frame_source
 from .config import ServedModel, ServerConfig
@@ -135,27 +136,49 @@ def bearer_token(request: web.Request) -> str:
     return request.query.get("token", "")
 
 
+def served_model(
+    models: WorldModel | Sequence[WorldModel], engine_config: EngineConfig, placement: Placement | None
+) -> ServedModel:
+    """One served model: an engine per replica, as one `ReplicaSet`."""
+    replicas = [models] if isinstance(models, WorldModel) else list(models)
+    if placement is not None and len(placement.replicas) != len(replicas):
+        raise ValueError(f"{len(replicas)} models for a placement of {len(placement.replicas)} replicas")
+    engines = [
+        AsyncEngine(
+            model,
+            engine_config if placement is None else replace(engine_config, placement=placement.replicas[i]),
+        )
+        for i, model in enumerate(replicas)
+    ]
+    first = replicas[0]
+    return ServedModel(first, ReplicaSet(engines), first_frame_source(first.config, isolated=True))
+
+
 class StreamWorldServer:
     def __init__(
         self,
-        models: dict[str, WorldModel],
+        models: dict[str, WorldModel | Sequence[WorldModel]],
         engine_config: EngineConfig | None = None,
         config: ServerConfig | None = None,
         default_model: str | None = None,
+        placements: dict[str, Placement] | None = None,
     ) -> None:
+        """`models`: per model id one `WorldModel`, or one per replica (placed as
+        `placements[id]` says, one `ReplicaPlacement` per replica; without one, each replica
+        runs on its model's device as `engine_config` says)."""
         if not models:
             raise ValueError("serve at least one model")
         self.config = config or ServerConfig()
         self.limits = self.config.limits
         self.engine_config = engine_config or EngineConfig()
         self.models: dict[str, ServedModel] = {
-            mid: ServedModel(model, AsyncEngine(model, self.engine_config), first_frame_source(model.config))
-            for mid, model in models.items()
+            mid: served_model(replicas, self.engine_config, (placements or {}).get(mid))
+            for mid, replicas in models.items()
         }
         self.default_model = default_model or next(iter(models))
         if self.default_model not in self.models:
             raise ValueError(f"default model {self.default_model!r} is not served")
-        self.metrics = Metrics({mid: m.engine for mid, m in self.models.items()})
+        self.metrics = Metrics({mid: m.engine.engines for mid, m in self.models.items()})
         self.sessions: set[Session] = set()
         self.connections = 0  # WebSocket upgrades being served, started sessions or not
         self.encode_pool = ThreadPoolExecutor(
@@ -241,6 +264,9 @@ class StreamWorldServer:
     async def _cleanup(self, app: web.Application) -> None:
         for served in self.models.values():
             await served.engine.close()
+            close = getattr(served.first_frame, "close", None)
+            if close is not None:  # the first-frame child process (scenes.ChildProcessFrames)
+                await asyncio.to_thread(close)
         self.encode_pool.shutdown(wait=True, cancel_futures=True)
 
     # --- handlers --------------------------------------------------------------------------
@@ -249,6 +275,7 @@ class StreamWorldServer:
             "status": "shutting_down" if self.shutting_down else "ok",
             "models": list(self.models),
             "sessions": len(self.sessions),
+            "replicas": {mid: len(m.engine.engines) for mid, m in self.models.items()},
         }
         return web.json_response(body, status=503 if self.shutting_down else 200)
 

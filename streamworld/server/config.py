@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import AsyncEngine
+from ..engine import ReplicaSet
 from ..models.world_model import WorldModel
 from ..scenes import FirstFrame
 
@@ -47,8 +47,8 @@ class ServerConfig:
 
 @dataclass
 class ServedModel:
-    model: WorldModel
-    engine: AsyncEngine
+    model: WorldModel  # the first replica's (every replica has the same configuration)
+    engine: ReplicaSet  # one engine per replica, as one pool
     # Image-to-world models: the first frame used when a session gives none (by seed).
     first_frame: FirstFrame | None = None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,37 +25,42 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class EngineCollector(Collector):
-    def __init__(self, engines: dict[str, AsyncEngine]) -> None:
+    """Gauges read from the engines when scraped. A model served by several replicas gets a
+    series per replica (label `replica`) for what each holds (sessions, pages, batches); the
+    admission queue is one per model. Models with one replica keep their series unlabelled
+    by replica, so scrapers of a one-GPU server see no change."""
+
+    def __init__(self, engines: dict[str, Sequence[AsyncEngine]]) -> None:
         self.engines = engines
+        self.by_replica = any(len(replicas) > 1 for replicas in engines.values())
 
     def collect(self) -> Iterable:
-        active = GaugeMetricFamily("streamworld_sessions_active", "Streams generating now", labels=["model"])
+        labels = ["model", "replica"] if self.by_replica else ["model"]
+        active = GaugeMetricFamily("streamworld_sessions_active", "Streams generating now", labels=labels)
         waiting = GaugeMetricFamily(
             "streamworld_sessions_waiting", "Streams waiting for admission", labels=["model"]
         )
-        used = GaugeMetricFamily("streamworld_kv_pages_used", "K/V pages in use", labels=["model"])
-        total = GaugeMetricFamily("streamworld_kv_pages_total", "K/V pages in the pool", labels=["model"])
+        used = GaugeMetricFamily("streamworld_kv_pages_used", "K/V pages in use", labels=labels)
+        total = GaugeMetricFamily("streamworld_kv_pages_total", "K/V pages in the pool", labels=labels)
         batch = HistogramMetricFamily(
-            "streamworld_batch_size", "Work units per executed batch", labels=["model"]
+            "streamworld_batch_size", "Work units per executed batch", labels=labels
         )
-        for model, engine in self.engines.items():
-            active.add_metric([model], engine.live_streams())
-            waiting.add_metric([model], len(engine.waiting))
-            used.add_metric([model], engine.pool.pages_used)
-            total.add_metric([model], engine.pool.pages_total)
-            sizes = engine.stats.batch_sizes
-            buckets, running = [], 0
-            for bound in BATCH_BUCKETS:
-                running = sum(n for size, n in sizes.items() if size <= bound)
-                buckets.append((str(bound), running))
-            count = sum(sizes.values())
-            buckets.append(("+Inf", count))
-            batch.add_metric([model], buckets, sum_value=sum(size * n for size, n in sizes.items()))
+        for model, replicas in self.engines.items():
+            waiting.add_metric([model], sum(len(e.waiting) for e in replicas))
+            for index, engine in enumerate(replicas):
+                key = [model, str(index)] if self.by_replica else [model]
+                active.add_metric(key, engine.live_streams())
+                used.add_metric(key, engine.pool.pages_used)
+                total.add_metric(key, engine.pool.pages_total)
+                sizes = engine.stats.batch_sizes
+                buckets = [(str(b), sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS]
+                buckets.append(("+Inf", sum(sizes.values())))
+                batch.add_metric(key, buckets, sum_value=sum(size * n for size, n in sizes.items()))
         yield from (active, waiting, used, total, batch)
 
 
 class Metrics:
-    def __init__(self, engines: dict[str, AsyncEngine]) -> None:
+    def __init__(self, engines: dict[str, Sequence[AsyncEngine]]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttff = Histogram(

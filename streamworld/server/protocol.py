@@ -365,8 +365,14 @@ def session_queued(position: int) -> dict[str, Any]:
 
 
 def session_started(
-    session_id: str, cfg: ModelConfig, start: SessionStart, codec: str, scene: dict | None
+    session_id: str,
+    cfg: ModelConfig,
+    start: SessionStart,
+    codec: str,
+    scene: dict | None,
+    replica: int | None = None,
 ) -> dict[str, Any]:
+    """`replica` only for a model served by several replicas (which one runs the session)."""
     return {
         "type": "session.started",
         "session_id": session_id,
@@ -382,6 +388,7 @@ def session_started(
         "seed": start.seed,
         "action_dim": cfg.action_dim,
         **({"scene": scene} if scene is not None else {}),
+        **({"replica": replica} if replica is not None else {}),
     }
 
 

@@ -287,7 +287,9 @@ class Session:
         if not await self._wait_admitted():
             await self._end_unadmitted()
             return
-        started = protocol.session_started(self.id, self.cfg, self.start, encoder.codec, self.scene)
+        replicas = len(self.ctx.models[self.cfg.id].engine.engines)
+        replica = self.handle.replica if replicas > 1 else None
+        started = protocol.session_started(self.id, self.cfg, self.start, encoder.codec, self.scene, replica)
         init = encoder.init_segment()
         await self.sender.send(*((started, init) if init else (started,)))
         pump = asyncio.create_task(self._pump(), name=f"session-{self.id}-pump")

@@ -22,56 +22,31 @@ nothing else busy on the machine: the busy process is the only competitor wanted
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 from datetime import datetime, timezone
+from pathlib import Path
+
+# Run as a script, Python puts benchmarks/ on sys.path, not the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from loadtests.proc import ServerProcess, start_server, wait_ready
+from loadtests.server_http import fetch_metrics
 
 POLICIES = {"auto": [], "1": ["--threads", "1"], "all": None}  # "all": one thread per core, fixed
 BUSY = [sys.executable, "-c", "while True: pass"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read().decode()
-
-
-def _metrics(base: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in _get(f"{base}/metrics").splitlines():
-        m = re.match(r'^(streamworld_[a-z_]+)\{model="pusht"\} ([0-9.e+-]+)$', line)
-        if m:
-            out[m.group(1)] = float(m.group(2))
-    return out
-
-
-def _serve(policy_args: list[str]) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    argv = [sys.executable, "-m", "streamworld", "serve", "--port", str(port), *policy_args]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            _get(f"{base}/healthz")
-            return proc, base
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the server did not start:\n{proc.stdout.read()}") from None
-            time.sleep(0.3)
+def _serve(policy_args: list[str], log_dir: Path) -> ServerProcess:
+    server = start_server("pusht", "cpu", policy_args, log_dir / "server.log")
+    asyncio.run(wait_ready(server, 120))
+    return server
 
 
 def run_one(browser, policy: str, load: str, seconds: float) -> dict:
@@ -79,7 +54,9 @@ def run_one(browser, policy: str, load: str, seconds: float) -> dict:
 
     cores = os.cpu_count() or 1
     policy_args = POLICIES[policy] if POLICIES[policy] is not None else ["--threads", str(cores)]
-    server, base = _serve(policy_args)
+    log_dir = Path(tempfile.mkdtemp(prefix="contention-"))
+    server = _serve(policy_args, log_dir)
+    base = f"http://127.0.0.1:{server.port}"
     busy = subprocess.Popen(BUSY) if load == "busy" else None
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
@@ -96,15 +73,16 @@ def run_one(browser, policy: str, load: str, seconds: float) -> dict:
             time.sleep(2.0)
         stats = page.evaluate("() => ({...window.streamworld})")
         elapsed = time.monotonic() - t0
-        m = _metrics(base)
+        m = asyncio.run(fetch_metrics(base))
     finally:
         context.close()
         if busy is not None:
             busy.kill()
             busy.wait()
-        server.terminate()
-        log = server.communicate(timeout=60)[0]
-    chunks = m.get("streamworld_inter_chunk_seconds_count", 0.0) + 1
+        server.terminate(60)
+        log = server.log_text()
+        server.kill()
+    chunks = m.get("streamworld_inter_chunk_seconds_count", 0.0) + 1  # summed over labels
     misses = m.get("streamworld_chunk_deadline_miss_total", 0.0)
     changes = re.findall(r"PyTorch CPU threads -> (\d+)", log)
 

@@ -134,20 +134,8 @@ async def _progress(viewers: list[Viewer], duration: float, t0: float) -> None:
 
 
 # --- command line --------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python loadtests/run.py",
-        description=__doc__.split("\n\n")[0] + " Open-loop Poisson arrivals (--arrival-rate) or N held "
-        "sessions (--sessions); reports latency, jitter, real-time factor, playout deadlines, stalls, "
-        "action-to-frame latency and errors, and checks the server frees every KV page.",
-    )
-    p.add_argument("--url", required=True, help="the server's stream endpoint, ws://HOST:PORT/v1/stream")
-    p.add_argument("--duration", type=float, required=True, help="seconds of offered load")
-    p.add_argument("--json", metavar="OUT", help="write the full result (every session) as JSON")
-    p.add_argument("--model", help="model id (default: the server's default model)")
-    load = p.add_mutually_exclusive_group(required=True)
-    load.add_argument("--arrival-rate", type=float, metavar="PER_S", help="Poisson arrivals per second")
-    load.add_argument("--sessions", type=int, metavar="N", help="N sessions held for the whole run")
+def _add_session_mix(p: argparse.ArgumentParser) -> None:
+    """What the offered sessions are like: length, cancellations, slow readers, priorities, formats."""
     p.add_argument(
         "--session-chunks",
         type=float,
@@ -183,6 +171,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="jpeg:1,h264:1",
         help="wire format mix, name:weight,... (default %(default)s)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python loadtests/run.py",
+        description=__doc__.split("\n\n")[0] + " Open-loop Poisson arrivals (--arrival-rate) or N held "
+        "sessions (--sessions); reports latency, jitter, real-time factor, playout deadlines, stalls, "
+        "action-to-frame latency and errors, and checks the server frees every KV page.",
+    )
+    p.add_argument("--url", required=True, help="the server's stream endpoint, ws://HOST:PORT/v1/stream")
+    p.add_argument("--duration", type=float, required=True, help="seconds of offered load")
+    p.add_argument("--json", metavar="OUT", help="write the full result (every session) as JSON")
+    p.add_argument("--model", help="model id (default: the server's default model)")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--arrival-rate", type=float, metavar="PER_S", help="Poisson arrivals per second")
+    load.add_argument("--sessions", type=int, metavar="N", help="N sessions held for the whole run")
+    _add_session_mix(p)
     p.add_argument("--kv-mode", choices=("clean", "final", "noisy"), help="KV mode (default: the model's)")
     p.add_argument(
         "--prompt",

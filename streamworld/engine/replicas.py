@@ -57,18 +57,21 @@ class ReplicaSet:
     def open_stream(self, request: StreamRequest) -> StreamHandle:
         """Places a new stream on a replica (see the module's docstring) and opens it there."""
         need = self.engines[0].admission_need(request)  # also validates the request
+        able = [e for e in self.engines if need <= e.pool.pages_per_stage]  # pools big enough
+        if not able:
+            return self.engines[0].open_stream(request)  # raises Unsupported: it fits nowhere
         priority = PRIORITY_CLASSES[request.priority]
-        loads = [
-            ReplicaLoad(
+        loads = {
+            e.replica: ReplicaLoad(
                 index=e.replica,
                 admits_now=e.admits_now(need),
                 free_pages=e.pool.pages_per_stage - e.pool.reserved,
                 waiting=len(e.waiting),
                 live_in_class=sum(1 for s in e.streams.values() if s.live and s.priority == priority),
             )
-            for e in self.engines
-        ]
-        chosen = self.engines[choose_replica(loads)]
+            for e in able
+        }
+        chosen = self.engines[choose_replica(list(loads.values()))]
         if not loads[chosen.replica].admits_now and self.waiting >= self.max_queue:
             raise Overloaded("the server is at capacity and its admission queue is full")
         return chosen.open_stream(request)

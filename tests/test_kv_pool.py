@@ -135,7 +135,9 @@ def _reaches_torch(path: Path, seen: set[Path]) -> bool:
     return False
 
 
-@pytest.mark.parametrize("module", ["scheduler", "stream", "kv_pool", "kv_modes", "request", "config", "placement"])
+@pytest.mark.parametrize(
+    "module", ["scheduler", "stream", "kv_pool", "kv_modes", "request", "config", "placement"]
+)
 def test_the_engine_bookkeeping_imports_no_torch(module):
     """The scheduler's world is metadata: neither it nor what it imports touches torch."""
     assert not _reaches_torch(ENGINE / "engine" / f"{module}.py", set())

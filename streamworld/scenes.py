@@ -70,24 +70,25 @@ class ChildProcessFrames:
             if seed in self._cache:
                 self._cache.move_to_end(seed)
                 return self._cache[seed]
-        for attempt in (1, 2):
-            pool = self._child()
-            try:
-                result = pool.submit(self.make, seed).result(timeout=self.timeout_s)
-            except BrokenProcessPool:
-                self._replace(pool)
-                if attempt == 2:
-                    raise RuntimeError(
-                        f"the environment's process died making the first frame for seed {seed}"
-                    ) from None
-                log.warning("the first-frame process died (seed %s); starting a new one", seed)
-                continue
-            with self._lock:
-                self._cache[seed] = result
-                while len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            return result
-        raise AssertionError("unreachable")
+        result = self._make(seed)
+        with self._lock:
+            self._cache[seed] = result
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return result
+
+    def _make(self, seed: int, retry: bool = True) -> Any:
+        pool = self._child()
+        try:
+            return pool.submit(self.make, seed).result(timeout=self.timeout_s)
+        except BrokenProcessPool:
+            self._replace(pool)
+            if not retry:
+                raise RuntimeError(
+                    f"the environment's process died making the first frame for seed {seed}"
+                ) from None
+        log.warning("the first-frame process died (seed %s); starting a new one", seed)
+        return self._make(seed, retry=False)
 
     def _child(self) -> ProcessPoolExecutor:
         with self._lock:

@@ -239,13 +239,11 @@ def load_placed(
             model = load_world_model(config, weights, here, label)
             if len(replica.devices) > 1:
                 stages = [(s.start, s.stop, s.device) for s in replica.stages]
-                on_torch_thread_place(model, stages, replica.decoder_device)
+                from ..engine import on_torch_thread
+
+                on_torch_thread(
+                    model.device, lambda m=model, s=stages, d=replica.decoder_device: m.place(s, d)
+                )
             models[key] = model
         out.append(models[key])
     return out
-
-
-def on_torch_thread_place(model: WorldModel, stages: list, decoder_device: str) -> None:
-    from ..engine import on_torch_thread
-
-    on_torch_thread(model.device, lambda: model.place(stages, decoder_device))

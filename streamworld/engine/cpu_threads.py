@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -100,7 +101,8 @@ class ThreadGovernor:
         self.interval_s = interval_s
         self.read_machine = read_machine
         self.read_own = read_own
-        self.changes: list[tuple[float, int, float]] = []  # (monotonic time, threads, others)
+        # The latest changes: (monotonic time, threads, others' cores).
+        self.changes: deque[tuple[float, int, float]] = deque(maxlen=64)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: tuple[float, float, float] | None = None  # wall, machine busy, own

@@ -230,7 +230,7 @@ class WorldModel:
         if self.dit.elementwise_compiled:  # warm the compiled code up where the blocks are now
             self.dit.compile_elementwise(cfg.latent_frames_per_chunk)
         lite = getattr(self.vae, "lite", None)
-        if lite is not None and lite._compiled is not None:
+        if lite is not None and lite.compiled:
             lite.compile_for(cfg.latent_height, cfg.latent_width, cfg.latent_frames_per_chunk)
         if self.text_encoder is not None:
             self.text_encoder.model.to(self.device)

@@ -95,6 +95,8 @@ class BenchConfig:
         if self.placement is not None:
             flat["placement"] = self.placement.describe()
             flat["replicas"] = len(self.placement.replicas)
+            first = self.placement.replicas[0]  # per replica, as the placement sets them
+            flat["num_stages"], flat["num_ranks"] = len(first.stages), first.num_ranks
         return {**settings, **flat}
 
 
@@ -134,6 +136,7 @@ class _Window:
 
     dit_busy: list[float]  # per DiT rank
     busy: dict[str, float]  # per kind of executor, summed over its executors
+    copies: list[tuple[float, int]]  # per link between stages: seconds copying, bytes moved
 
 
 def _executors(engines: list[AsyncEngine]) -> dict[str, list]:
@@ -148,6 +151,7 @@ def _snapshot(engines: list[AsyncEngine]) -> _Window:
     return _Window(
         dit_busy=[r.busy_s for e in engines for r in e.ranks],
         busy={k: sum(ex.busy_s for ex in v) for k, v in _executors(engines).items()},
+        copies=[(link.copy_s, link.bytes) for e in engines for link in e.runner.links],
     )
 
 
@@ -239,6 +243,9 @@ def _placement_figures(
         "batch_size_histogram": dict(sorted(sizes.items())),
         "device_busy_share": _device_busy(executors["dit"], start, end, wall),
     }
+    links = [(r, link) for r, e in enumerate(engines) for link in e.runner.links]  # as _Window.copies
+    if any(link.crosses for _, link in links):
+        out["stage_copies"] = _copy_figures(links, start, end, wall)
     if len(engines) > 1:
         out["per_replica"] = _replica_figures(streams["per_stream"], replica_of, len(engines))
     return out
@@ -251,6 +258,25 @@ def _device_busy(ranks: list, start: _Window, end: _Window, wall: float) -> dict
     for rank, b0, b1 in zip(ranks, start.dit_busy, end.dit_busy, strict=True):
         out[str(rank.device)] += (b1 - b0) / wall
     return dict(out)
+
+
+def _copy_figures(links: list, start: _Window, end: _Window, wall: float) -> list[dict]:
+    """Per link between stages on different devices: time its copies took (on the sending
+    GPU's side stream, so mostly hidden behind compute) and bytes moved in the window."""
+    out = []
+    for (replica, link), (s0, b0), (s1, b1) in zip(links, start.copies, end.copies, strict=True):
+        if not link.crosses:
+            continue
+        out.append(
+            {
+                "replica": replica,
+                "link": f"{link.src}->{link.dst}",
+                "copy_s": s1 - s0,
+                "copy_share": (s1 - s0) / wall,
+                "gbytes_per_s": (b1 - b0) / wall / 1e9,
+            }
+        )
+    return out
 
 
 def _replica_figures(per_stream: list[dict], replica_of: list[int], replicas: int) -> list[dict]:
@@ -546,6 +572,11 @@ def _placement_lines(e: dict) -> list[str]:
     busy = e.get("device_busy_share") or {}
     if len(busy) > 1 or e.get("per_replica"):
         lines.append("devices  DiT busy " + ", ".join(f"{d} {v:.1%}" for d, v in busy.items()))
+    for c in e.get("stage_copies") or []:
+        lines.append(
+            f"copies   replica {c['replica']} {c['link']}: {c['copy_s']:.3f} s "
+            f"({c['copy_share']:.1%} of the window), {c['gbytes_per_s']:.2f} GB/s"
+        )
     for r in e.get("per_replica") or []:
         lines.append(f"replica  {r['replica']}: {r['streams']} streams, {r['fps']:.1f} frames/s")
     return lines

@@ -390,3 +390,14 @@ def test_bench_spreads_streams_over_replicas_and_reports_each(tmp_path, capsys):
     assert all(r["fps"] > 0 for r in replicas)
     assert {s["replica"] for s in result["engine"]["per_stream"]} == {0, 1}
     assert result["config"]["replicas"] == 2 and "baseline" in result
+
+
+def test_bench_of_a_stage_pipeline_reports_its_stages_and_no_copies_on_one_device(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1", "--unpaced", "--no-baseline"]
+    assert main([*args, "--devices", "cpu,cpu", "--placement", "pipeline", "--json", str(out)]) == 0
+    assert "2 stage(s), 2 rank(s)" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert (result["config"]["num_stages"], result["config"]["num_ranks"]) == (2, 2)
+    assert set(result["engine"]["device_busy_share"]) == {"cpu"}
+    assert "stage_copies" not in result["engine"]  # two stages on one device copy nothing

@@ -402,3 +402,31 @@ def test_engine_runs_wan13b_with_lite_decoder_and_compiled_elementwise():
         assert [o.frames.shape[0] for o in out] == [cfg.first_chunk_frames, cfg.frames_per_chunk]
         assert out[0].frames.shape[1:] == (480, 832, 3)
     print(f"\nengine, lite decoder + compiled elementwise: batch sizes {batches}")
+
+
+def test_a_stage_link_orders_the_receiver_after_its_copy_without_blocking_the_host():
+    """The copy between stages runs on the sender's side stream behind the stage's kernels;
+    the receiving stream waits for its event. Forced onto one GPU (a copy within cuda:0
+    takes the same code path as one between two GPUs)."""
+    from streamworld.engine.stage_link import StageLink
+
+    dev = torch.device("cuda:0")
+    link = StageLink(dev, dev)
+    link.crosses, link.stream = True, torch.cuda.Stream(dev)
+    sender, receiver = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    n = 1 << 20
+    with torch.cuda.stream(sender):
+        x = torch.zeros(n, device=dev)
+        torch.cuda._sleep(1_000_000_000)  # the stage's kernels: about half a second
+        x.fill_(7.0)
+        (y,), event = link.send([x])
+    # The host is back before the stage has run, so before the copy has.
+    assert event is not None and not event.query()
+    with torch.cuda.stream(receiver):
+        StageLink.receive([y], event)
+        total = y.sum()
+    receiver.synchronize()  # `item` reads on the default stream, which orders nothing here
+    assert y.data_ptr() != x.data_ptr() and total.item() == 7.0 * n
+    torch.cuda.synchronize()
+    print(f"\nstage link: {link.bytes} bytes in {link.copy_s * 1e3:.3f} ms")
+    assert link.bytes == 4 * n and link.copy_s > 0

@@ -89,3 +89,25 @@ def test_a_missing_device_is_named():
     seen = {"cuda:0"}
     with pytest.raises(PlacementError, match="device 'cuda:7': this machine has 1 CUDA device"):
         check_devices(p, lambda d: None if d in seen else "this machine has 1 CUDA device")
+
+
+def test_a_stage_link_copies_only_between_devices_and_counts_what_it_moved():
+    import torch
+
+    from streamworld.engine.stage_link import StageLink, stage_links
+
+    x = [torch.ones(2, 3), torch.zeros(4)]
+    same = StageLink(torch.device("cpu"), torch.device("cpu"))
+    out, event = same.send(x)
+    assert not same.crosses and event is None and out[0] is x[0] and same.bytes == 0
+    # A device without streams on the receiving side (meta: shapes only) takes a plain copy.
+    cross = StageLink(torch.device("cpu"), torch.device("meta"))
+    out, event = cross.send(x)
+    assert cross.crosses and event is None
+    assert [t.device.type for t in out] == ["meta", "meta"] and [t.shape for t in out] == [(2, 3), (4,)]
+    assert cross.bytes == (6 + 4) * 4 and cross.copy_s >= 0.0
+    links = stage_links([torch.device("cpu"), torch.device("cpu"), torch.device("meta")])
+    assert [(link.src.type, link.dst.type, link.crosses) for link in links] == [
+        ("cpu", "cpu", False),
+        ("cpu", "meta", True),
+    ]

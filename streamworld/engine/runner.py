@@ -34,6 +34,7 @@ from ..models.world_model import WorldModel
 from .kv_cache import KVCache, PagedKVView
 from .kv_pool import Stage
 from .placement import ReplicaPlacement
+from .stage_link import StageLink, stage_links
 from .stream import ChunkState, WorkUnit
 
 log = logging.getLogger("streamworld.engine")
@@ -50,6 +51,9 @@ class ChunkTensors:
     x_t: torch.Tensor | None = None  # current step's input latents
     x0: torch.Tensor | None = None  # latest clean estimate
     activation: StageActivation | None = None  # the row between stages
+    # The CUDA event after which `activation` has arrived on the next stage's device
+    # (stage_link.py); None when it is usable at once.
+    activation_copied: Any = None
     # With overlapped dispatch: a CUDA event that completes when the last unit's kernels have
     # run (x0 and x_t are valid on other streams and on the host only after it).
     ready: Any = None
@@ -150,6 +154,7 @@ class ModelRunner:
         # Where each stage runs (engine placement); tensors a stage reads from another stage
         # (activation rows, the step's latents, the clean estimate) are copied here first.
         self.stage_devices = stage_devices or [model.device] * len(stages)
+        self.links = stage_links(self.stage_devices)  # stage i -> stage i + 1
         self.cache = cache
         # Checking for non-finite values waits for the GPU; overlapped dispatch checks at decode.
         self.overlap = overlap
@@ -248,35 +253,42 @@ class ModelRunner:
         if stage.index == 0:
             act = model.dit.embed(inputs)
         else:
-            device = self.stage_devices[stage.index]
-            rows = [w.chunk.activation for w in works]
-            act = StageActivation(
-                torch.cat([r.hidden.to(device) for r in rows]),
-                torch.cat([r.modulation.to(device) for r in rows]),
-                torch.cat([r.temb.to(device) for r in rows]),
-                rows[0].num_frames,
-            )
+            act = self._received(works)
         act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
         if stage.index == len(self.stages) - 1:
             outputs = self._head(act, works, x_ts)
         else:
-            outputs = self._rows(act, x_ts)
+            outputs = self._rows(act, x_ts, self.links[stage.index])
         ready = None
         if self.overlap and model.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()  # on the rank's stream, after every kernel of this batch
         # Results are kept only once the whole batch has run: a failed batch leaves no trace.
         results = []
-        for w, (ok, error, x_t, x0, activation) in zip(works, outputs, strict=True):
+        for w, (ok, error, x_t, x0, activation, copied) in zip(works, outputs, strict=True):
             if ok:
                 if w.unit.stage == 0 and w.unit.phase >= 0:
                     w.chunk.x_t = x_t
-                w.chunk.activation = activation
+                w.chunk.activation, w.chunk.activation_copied = activation, copied
                 w.chunk.ready = ready
                 if x0 is not None:
                     w.chunk.x0 = x0
             results.append(UnitResult(ok, error))
         return results
+
+    @staticmethod
+    def _received(works: list[Work]) -> StageActivation:
+        """The previous stage's rows of these units, on this stage's device, as one batch."""
+        rows = [w.chunk.activation for w in works]
+        for w in works:
+            r = w.chunk.activation
+            StageLink.receive([r.hidden, r.modulation, r.temb], w.chunk.activation_copied)
+        return StageActivation(
+            torch.cat([r.hidden for r in rows]),
+            torch.cat([r.modulation for r in rows]),
+            torch.cat([r.temb for r in rows]),
+            rows[0].num_frames,
+        )
 
     def _input(self, stage: Stage, w: Work) -> ChunkInput:
         """The unit's DiT input: the step's noised latents (stage 0) or the chunk's current
@@ -319,18 +331,18 @@ class ModelRunner:
         for i, w in enumerate(works):
             x0 = sched.x0_from_flow(x_ts[i], flow[i], w.unit.phase) if w.unit.phase >= 0 else w.chunk.x0
             ok = self.overlap or bool(torch.isfinite(x0).all())
-            out.append((ok, None if ok else "non-finite values in the model output", x_ts[i], x0, None))
+            out.append((ok, None if ok else "non-finite values in the model output", x_ts[i], x0, None, None))
         return out
 
-    def _rows(self, act: StageActivation, x_ts: list) -> list[tuple]:
-        """Other stages: each unit's row of the activation, for the next stage."""
+    def _rows(self, act: StageActivation, x_ts: list, link: StageLink) -> list[tuple]:
+        """Other stages: each unit's row of the activation, sent towards the next stage's
+        device (checked here, before the copy, so that the check reads no copy)."""
+        ok = [self.overlap or bool(torch.isfinite(act.hidden[i]).all()) for i in range(len(x_ts))]
+        (hidden, modulation, temb), copied = link.send([act.hidden, act.modulation, act.temb])
         out = []
         for i in range(len(x_ts)):
-            row = StageActivation(
-                act.hidden[i : i + 1], act.modulation[i : i + 1], act.temb[i : i + 1], act.num_frames
-            )
-            ok = self.overlap or bool(torch.isfinite(row.hidden).all())
-            out.append((ok, None if ok else "non-finite activations", x_ts[i], None, row))
+            row = StageActivation(hidden[i : i + 1], modulation[i : i + 1], temb[i : i + 1], act.num_frames)
+            out.append((ok[i], None if ok[i] else "non-finite activations", x_ts[i], None, row, copied))
         return out
 
     # --- executor: decoding -------------------------------------------------------------------

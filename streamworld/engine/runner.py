@@ -250,10 +250,7 @@ class ModelRunner:
             chunk_input = self._input(stage, w)
             inputs.append(chunk_input)
             x_ts.append(chunk_input.latents)
-        if stage.index == 0:
-            act = model.dit.embed(inputs)
-        else:
-            act = self._received(works)
+        act = model.dit.embed(inputs) if stage.index == 0 else self._received(works)
         act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
         if stage.index == len(self.stages) - 1:
             outputs = self._head(act, works, x_ts)

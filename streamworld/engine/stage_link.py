@@ -16,6 +16,7 @@ once the copies have run), for `streamworld bench`.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -95,4 +96,4 @@ class StageLink:
 
 def stage_links(devices: list[torch.device]) -> list[StageLink]:
     """One link per pair of consecutive stages."""
-    return [StageLink(a, b) for a, b in zip(devices, devices[1:])]
+    return [StageLink(a, b) for a, b in itertools.pairwise(devices)]

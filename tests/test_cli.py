@@ -182,9 +182,18 @@ def test_frame_size_and_window_override_the_preset(tmp_path, capsys):
     frames = np.load(out)
     assert frames.shape[1:] == (48, 64, 3)
     assert "48x64 (height x width" in capsys.readouterr().out
-    for bad in (["--frame-size", "50x64"], ["--frame-size", "64"], ["--window", "0"]):
+    bad_geometry = (
+        ["--frame-size", "50x64"],
+        ["--frame-size", "64"],
+        ["--window", "0"],
+        ["--sink", "-1"],
+        ["--chunk", "0"],
+        ["--steps", "500,750"],
+        ["--steps", "1000,x"],
+    )
+    for bad in bad_geometry:
         assert main(["generate", "--model", "tiny-wan", "--chunks", "1", "--out", str(out), *bad]) == 2
-        assert "--frame-size" in capsys.readouterr().err
+        assert bad[0] in capsys.readouterr().err
 
 
 def test_serve_refuses_bad_batch_limits_before_loading_anything(capsys):
@@ -214,10 +223,10 @@ def test_serve_session_limit_flags_set_the_session_limits_and_default_to_them():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--pause-chunks", "0"], "--pause-chunks must be at least 1"),
-        (["--ack-window", "-1"], "--ack-window must be at least 1"),
-        (["--start-timeout", "0"], "--start-timeout must be a positive number of seconds"),
-        (["--slow-client-timeout", "nan"], "--slow-client-timeout must be a positive number of seconds"),
+        (["--pause-chunks", "0"], "--pause-chunks: must be at least 1, got 0"),
+        (["--ack-window", "-1"], "--ack-window: must be at least 1, got -1"),
+        (["--start-timeout", "0"], "--start-timeout: must be above 0, got 0.0"),
+        (["--slow-client-timeout", "nan"], "--slow-client-timeout: must be above 0, got nan"),
     ],
 )
 def test_serve_refuses_bad_session_limits_before_loading_anything(capsys, args, message):
@@ -233,7 +242,8 @@ def test_serve_refuses_a_port_out_of_range_before_loading_anything(capsys, monke
     monkeypatch.setattr(serve, "load_served_models", lambda *a: pytest.fail("models loaded"))
     assert main(["serve", "--port", port]) == 2
     captured = capsys.readouterr()
-    assert f"--port must be between 0 and 65535, got {port}" in captured.err
+    bound = "at most 65535" if port == "99999" else "at least 0"
+    assert f"--port: must be {bound}, got {port}" in captured.err
     assert "serving" not in captured.out
 
 

@@ -62,6 +62,19 @@ def add_weight_arguments(group: argparse._ActionsContainer) -> None:
         metavar="N",
         help="override the preset's attention window (latent frames after the sink frames)",
     )
+    group.add_argument(
+        "--sink",
+        type=int,
+        metavar="N",
+        help="override the preset's sink frames (latent frames always attended)",
+    )
+    group.add_argument("--chunk", type=int, metavar="N", help="override the preset's latent frames per chunk")
+    group.add_argument(
+        "--steps",
+        metavar="T,T,...",
+        help="override the preset's denoising timesteps, from noise down, e.g. 1000,750,500,250 "
+        "(distilled checkpoints are trained for their own; fewer steps trade quality for speed)",
+    )
     _add_runtime_arguments(group)
 
 

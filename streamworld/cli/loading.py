@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,14 +104,48 @@ def override_preset(config: ModelConfig, args: argparse.Namespace) -> ModelConfi
         if not (sep and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0):
             raise UsageError(f"--frame-size must look like 320x512, got {args.frame_size!r}")
         changes.update(height=int(h), width=int(w))
-    if getattr(args, "window", None) is not None:  # distill-decoder has no --window
-        changes["window_frames"] = args.window
+    changes.update(_geometry_changes(args))
     if not changes:
         return config
     try:
         return dataclasses.replace(config, **changes)
     except ValueError as e:
-        raise UsageError(f"--frame-size/--window: {e}") from None
+        raise UsageError(f"--frame-size/--window/--sink/--chunk: {e}") from None
+
+
+def _geometry_changes(args: argparse.Namespace) -> dict:
+    """--window, --sink, --chunk, --steps and --default-kv-mode as `ModelConfig` fields (the
+    commands that lack one of them have no such attribute)."""
+    changes: dict = {}
+    for flag, name, least in (
+        ("window", "window_frames", 1),
+        ("sink", "sink_frames", 0),
+        ("chunk", "latent_frames_per_chunk", 1),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            if value < least:
+                raise UsageError(f"--{flag} must be at least {least}, got {value}")
+            changes[name] = value
+    steps = getattr(args, "steps", None)
+    if steps is not None:
+        changes["denoising_steps"] = parse_steps(steps)
+    if getattr(args, "default_kv_mode", None) is not None:
+        changes["default_kv_mode"] = args.default_kv_mode
+    return changes
+
+
+def parse_steps(steps: str | list) -> tuple[float, ...]:
+    """Denoising timesteps, from `1000,750,500,250` or a list: decreasing, in (0, 1000]."""
+    items = steps.split(",") if isinstance(steps, str) else list(steps)
+    try:
+        values = tuple(float(v) for v in items)
+    except (TypeError, ValueError):
+        raise UsageError(f"--steps must be numbers such as 1000,750,500,250, got {steps!r}") from None
+    ok = values and all(0 < v <= 1000 for v in values)
+    if not ok or any(b >= a for a, b in itertools.pairwise(values)):
+        raise UsageError(f"--steps must decrease within (0, 1000], e.g. 1000,750,500,250; got {steps!r}")
+    return values
 
 
 def preset(args: argparse.Namespace) -> ModelConfig:
@@ -185,19 +220,25 @@ def load_teacher_vae(config: ModelConfig, vae_path: str | None, device: torch.de
         raise UsageError(str(e)) from None
 
 
-def placement(args: argparse.Namespace, num_layers: int, label: str = "") -> Placement:
+def placement(
+    args: argparse.Namespace, num_layers: int, label: str = "", devices_here: bool = True
+) -> Placement:
     """Where a model of `num_layers` blocks runs: --devices and --placement, or without them
-    --stages and --ranks on --device (one replica). Checked here, devices included."""
+    --stages and --ranks on --device (one replica). Checked here; with `devices_here`, also
+    that this machine has the devices (`streamworld config` checks files for other machines)."""
     from ..engine import PlacementError, check_devices, parse_placement, single_device
     from ..models.world_model import resolve_device
 
+    def home() -> str:
+        return str(resolve_device(args.device)) if devices_here or args.device == "auto" else args.device
+
     try:
         if not args.devices and not args.placement:
-            device = str(resolve_device(args.device))
-            return single_device(device, num_layers, args.stages or 1, args.ranks)
-        devices = args.devices.split(",") if args.devices else [str(resolve_device(args.device))]
+            return single_device(home(), num_layers, args.stages or 1, args.ranks)
+        devices = args.devices.split(",") if args.devices else [home()]
         placed = parse_placement(args.placement or "replicas", devices, num_layers, args.stages)
-        check_devices(placed, device_problem)
+        if devices_here:
+            check_devices(placed, device_problem)
     except PlacementError as e:
         raise UsageError(f"{label}{e}") from None
     except RuntimeError as e:  # resolve_device: no such device

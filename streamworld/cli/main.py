@@ -1,6 +1,7 @@
 """The `streamworld` parser and dispatch: each command module adds its own subparser.
 
-Subcommands: `serve` (the streaming server), `generate` (the sequential reference
+Subcommands: `serve` (the streaming server), `config` (the deployment file, checked and
+printed), `generate` (the sequential reference
 generator), `bench` (the engine against the sequential baseline), `train` and `eval` (the
 embedded PushT world model), `distill-decoder` (the lite decoder) and `models` (the model
 presets).
@@ -12,11 +13,12 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, distill_decoder, eval, generate, models, serve, train
+from . import bench, config, distill_decoder, eval, generate, models, serve, train
+from .deployment import given_dests
 from .errors import UsageError
 
 # In the order `streamworld --help` lists them.
-COMMANDS = (serve, generate, bench, train, eval, distill_decoder, models)
+COMMANDS = (serve, config, generate, bench, train, eval, distill_decoder, models)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,10 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs one command: 0 on success, 2 for a usage error (one line on stderr), 130 on Ctrl-C."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    command_parser = getattr(args, "command_parser", None)
+    if command_parser is not None:  # flags that override a deployment file: those given
+        args.given = given_dests(command_parser, argv[argv.index(args.command) + 1 :])
     try:
         return args.func(args)
     except UsageError as e:

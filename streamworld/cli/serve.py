@@ -12,13 +12,14 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from . import arguments, loading
+from . import arguments, deployment, loading
 from .errors import UsageError
 
 if TYPE_CHECKING:
+    from ..deploy.config import DeployConfig
     from ..engine import EngineConfig, Placement
     from ..models.world_model import WorldModel
-    from ..server import ServerConfig, SessionLimits, StreamWorldServer
+    from ..server import ServerConfig, StreamWorldServer
 
 
 class LimitFlag(NamedTuple):
@@ -80,6 +81,7 @@ class ServeConfig:
     engine: EngineConfig
     server: ServerConfig
     placements: dict[str, Placement]  # per model: its replicas, stages and devices
+    deploy: DeployConfig  # what it was made of (file and flags), for `config --print`
 
 
 def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +121,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "or SIGTERM: live sessions get session.done."
         ),
     )
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run, command_parser=parser)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of `serve` (also taken by `config`)."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="deployment file (YAML; examples in deploy/, keys in docs/deploy.md): its keys are these "
+        "flags' names with underscores, and flags given here override it",
+    )
     models = parser.add_argument_group("model and weights")
     models.add_argument(
         "--model",
@@ -128,6 +142,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="model to serve; repeat for several (default: pusht). The first is the default model.",
     )
     arguments.add_weight_arguments(models)  # they apply to the real-size models, or to the only model served
+    models.add_argument(
+        "--default-kv-mode",
+        choices=arguments.KV_MODES,
+        help="K/V mode of sessions that do not ask for one (default: the model's, see /v1/models)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--port", type=int, default=8000, help="port, 1-65535; 0 picks a free one (default 8000)"
@@ -153,89 +172,84 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for limit in SESSION_LIMIT_FLAGS:
         metavar = "N" if limit.kind is int else "SECONDS"
         limits.add_argument(limit.flag, dest=limit.field, type=limit.kind, metavar=metavar, help=limit.help)
-    parser.set_defaults(func=run)
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The checked configuration of the arguments; a usage error names the first bad one."""
+def serve_config(args: argparse.Namespace, devices_here: bool = True) -> ServeConfig:
+    """The checked configuration of the flags and `--config`; a usage error names the first
+    bad key or flag. `devices_here`: also check that this machine has the devices."""
+    return config_of(deployment.deploy_config(args, _defaults()), devices_here)
+
+
+def _defaults() -> argparse.Namespace:
+    from .main import build_parser
+
+    return build_parser().parse_args(["serve"])
+
+
+def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:
+    """A validated deployment as what `serve` runs: placements checked against the devices."""
     from ..models import PRESETS
-    from ..server import ServerConfig
+    from ..server import ServerConfig, SessionLimits
 
-    model_ids = args.models or [arguments.DEFAULT_MODEL]
+    model_ids = [m.model for m in deploy.models]
     unknown = [m for m in model_ids if m not in PRESETS]
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
     if len(set(model_ids)) != len(model_ids):
-        raise UsageError("each --model may be given once")
-    if args.max_sessions < 1 or args.max_queue < 0:
-        raise UsageError("--max-sessions must be at least 1 and --max-queue at least 0")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_connections < 1:
-        raise UsageError("--max-connections must be at least 1")
-    token = args.auth_token if args.auth_token is not None else os.environ.get(TOKEN_ENV)
+        raise UsageError("each model may be served once")
+    placements = {}
+    for i, mid in enumerate(model_ids):
+        ns = deployment.model_namespace(deploy, i)
+        arguments.check_engine_arguments(ns)
+        try:
+            loading.override_preset(PRESETS[mid], ns)  # the geometry, checked before anything loads
+        except UsageError as e:
+            raise UsageError(str(e) if mid in str(e) else f"{mid}: {e}") from None
+        placements[mid] = loading.placement(ns, PRESETS[mid].num_layers, f"{mid}: ", devices_here)
+    server, engine = deploy.server, deploy.engine
+    token = server.auth_token if server.auth_token is not None else os.environ.get(TOKEN_ENV)
     if token is not None and not token.strip():
         raise UsageError(f"--auth-token (or {TOKEN_ENV}) must not be empty")
-    arguments.check_engine_arguments(args)
-    placements = {
-        mid: loading.placement(args, PRESETS[mid].num_layers, label=f"{mid}: ") for mid in model_ids
-    }
+    limits = {k.dest: getattr(server.limits, k.key) for k in deployment.KEYS if k.section == "server.limits"}
     return ServeConfig(
         model_ids=model_ids,
-        host=args.host,
-        port=args.port,
-        engine=arguments.engine_config(args, max_streams=args.max_sessions, max_queue=args.max_queue),
+        host=server.host,
+        port=server.port,
+        engine=arguments.engine_config(
+            deployment.model_namespace(deploy, 0), max_streams=engine.max_sessions, max_queue=engine.max_queue
+        ),
         server=ServerConfig(
-            limits=session_limits(args),
-            max_connections=args.max_connections,
-            allowed_origins=tuple(args.allowed_origins),
+            limits=SessionLimits(**{k: v for k, v in limits.items() if v is not None}),
+            max_connections=server.max_connections,
+            allowed_origins=tuple(server.allow_origin),
             auth_token=token,
         ),
         placements=placements,
+        deploy=deploy,
     )
 
 
-def session_limits(args: argparse.Namespace) -> SessionLimits:
-    """`SessionLimits` with the flags given; the rest keep their defaults."""
-    from ..server import SessionLimits
-
-    given = {}
-    for limit in SESSION_LIMIT_FLAGS:
-        value = getattr(args, limit.field)
-        if value is None:
-            continue
-        # Zero would stall every stream (a count) or end every session at once (seconds).
-        if limit.kind is int and value < 1:
-            raise UsageError(f"{limit.flag} must be at least 1")
-        if limit.kind is float and not value > 0:  # also refuses nan
-            raise UsageError(f"{limit.flag} must be a positive number of seconds")
-        given[limit.field] = value
-    return SessionLimits(**given)
-
-
-def load_served_models(
-    args: argparse.Namespace, model_ids: list[str], placements: dict[str, Placement]
-) -> dict[str, list[WorldModel]]:
-    """Each model with the weight arguments that apply to it (see --model's help), one per
-    replica of its placement (replicas on one device share it)."""
+def load_served_models(deploy: DeployConfig, placements: dict[str, Placement]) -> dict[str, list[WorldModel]]:
+    """Each model of the deployment with its own weights and settings, one per replica of
+    its placement (replicas on one device share it)."""
     from ..models import PRESETS
-    from ..models.world_model import WeightPaths
 
-    weights = loading.weight_paths(args)
-    if args.decoder == "lite" and all(PRESETS[m].pixel_space for m in model_ids):
+    if all(m.decoder == "lite" for m in deploy.models) and all(
+        PRESETS[m.model].pixel_space for m in deploy.models
+    ):
         raise UsageError("--decoder lite: the served models have no VAE decoder to replace")
     models = {}
-    for mid in model_ids:
-        config = loading.override_preset(PRESETS[mid], args)
-        options = loading.LoadOptions.from_args(args)
+    for i, spec in enumerate(deploy.models):
+        ns = deployment.model_namespace(deploy, i)
+        loading.check_weight_paths(ns)
+        config = loading.override_preset(PRESETS[spec.model], ns)
+        options = loading.LoadOptions.from_args(ns)
         if config.pixel_space:
             options = replace(options, decoder="wan")  # --decoder lite applies to the models with a VAE
-        if config.requires_weights or len(model_ids) == 1:
-            model_weights = weights
-        else:  # a small model next to others: its own weights, but the lite decoder's if given
-            lite = options.decoder == "lite"
-            model_weights = WeightPaths(lite_decoder=args.decoder_weights) if lite else None
-        models[mid] = loading.load_placed(config, model_weights, options, placements[mid], label=f"{mid}: ")
+        mid = spec.model
+        models[mid] = loading.load_placed(
+            config, loading.weight_paths(ns), options, placements[mid], label=f"{mid}: "
+        )
     return models
 
 
@@ -246,10 +260,10 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = serve_config(args)
+    logging.getLogger().setLevel(config.deploy.server.log_level.upper())
     check_address(config.host, config.port)  # before the models load: a taken port fails at once
-    governor = loading.apply_threads(args, adaptive=True)
-    loading.check_weight_paths(args)
-    models = load_served_models(args, config.model_ids, config.placements)
+    governor = loading.apply_threads(deployment.model_namespace(config.deploy, 0), adaptive=True)
+    models = load_served_models(config.deploy, config.placements)
     try:
         _run_server(config, models)
     finally:

@@ -57,7 +57,48 @@ class RunningServer:
         await self.runner.cleanup()
 
 
-async def start_server(models, engine_config=FAST, limits=None, max_text_frame=TEXT_LIMIT):
+class RunningAsgiServer:
+    """The same server as an ASGI application under uvicorn (server/asgi.py), on a free
+    loopback port; `close` drains first, as `streamworld serve --transport asgi` does."""
+
+    def __init__(self, server: StreamWorldServer) -> None:
+        import uvicorn
+
+        from streamworld.server.asgi import _quiet_server, build_asgi_app
+
+        self.server = server
+        config = uvicorn.Config(
+            build_asgi_app(server, manage_lifespan=False),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            ws_max_size=server.config.max_text_frame,
+            lifespan="off",
+        )
+        self.uvicorn = _quiet_server(config)
+
+    async def start(self) -> RunningAsgiServer:
+        await self.server.start()
+        self.task = asyncio.create_task(self.uvicorn.serve())
+        while not self.uvicorn.started:
+            assert not self.task.done(), "uvicorn did not start"
+            await asyncio.sleep(0.02)
+        self.port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        await self.server.drain()
+        self.uvicorn.should_exit = True
+        await self.task
+        await self.server.close()
+
+
+TRANSPORTS = ["aiohttp", "asgi"]
+
+
+async def start_server(
+    models, engine_config=FAST, limits=None, max_text_frame=TEXT_LIMIT, transport="aiohttp"
+):
     limits = limits or SessionLimits()
     server = StreamWorldServer(
         models,
@@ -65,12 +106,20 @@ async def start_server(models, engine_config=FAST, limits=None, max_text_frame=T
         ServerConfig(max_text_frame=max_text_frame, limits=limits),
         default_model="tiny-wan",
     )
+    if transport == "asgi":
+        return server, await RunningAsgiServer(server).start()
     return server, await RunningServer(server.build_app()).start()
 
 
+@pytest.fixture(params=TRANSPORTS)
+def transport(request) -> str:
+    """Each test that takes it runs over both transports (protocol v1 is the same on both)."""
+    return request.param
+
+
 @pytest.fixture
-async def served(models):
-    server, test_server = await start_server(models)
+async def served(models, transport):
+    server, test_server = await start_server(models, transport=transport)
     yield server, f"ws://127.0.0.1:{test_server.port}/v1/stream", f"http://127.0.0.1:{test_server.port}"
     await test_server.close()
 
@@ -307,10 +356,10 @@ async def test_disconnect_mid_stream_frees_the_pages(served):
     assert await metric(http, "streamworld_sessions_active") == 0
 
 
-async def test_a_client_that_stops_reading_does_not_hold_up_others(models):
+async def test_a_client_that_stops_reading_does_not_hold_up_others(models, transport):
     limits = SessionLimits(pause_chunks=1, slow_client_timeout_s=1.0)
     model = load_tiny(height=256, width=256)  # big rgb chunks fill the socket buffers quickly
-    server, test_server = await start_server({"tiny-wan": model}, limits=limits)
+    server, test_server = await start_server({"tiny-wan": model}, limits=limits, transport=transport)
     url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
     try:
         slow = await websockets.connect(url, max_size=2**26, max_queue=1)
@@ -358,9 +407,9 @@ async def test_sixteen_sessions_complete_and_excess_ones_are_queued(models):
     assert all(p >= 1 for p in queued)
 
 
-async def test_queue_overflow_is_refused_with_overloaded(models):
+async def test_queue_overflow_is_refused_with_overloaded(models, transport):
     cfg = EngineConfig(ttff_budget_s=1e3, max_streams=1, max_queue=0)
-    _, test_server = await start_server(models, engine_config=cfg)
+    _, test_server = await start_server(models, engine_config=cfg, transport=transport)
     url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
     try:
         async with StreamWorldClient(url, format="jpeg", num_chunks=None, kv_mode="noisy"):
@@ -370,8 +419,8 @@ async def test_queue_overflow_is_refused_with_overloaded(models):
         await test_server.close()
 
 
-async def test_graceful_shutdown_ends_live_sessions_with_done(models):
-    server, test_server = await start_server(models)
+async def test_graceful_shutdown_ends_live_sessions_with_done(models, transport):
+    server, test_server = await start_server(models, transport=transport)
     url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
     clients = [StreamWorldClient(url, format="jpeg", num_chunks=None, seed=i) for i in range(2)]
     for c in clients:
@@ -494,12 +543,12 @@ async def test_malformed_numbers_are_bad_requests_and_a_client_leaving_after_a_p
     assert not server.sessions
 
 
-async def test_acks_hold_a_slow_but_reading_client_to_its_window_and_a_silent_one_is_ended(models):
+async def test_acks_hold_a_slow_but_reading_client_to_its_window_and_a_silent_one_is_ended(models, transport):
     """A client that acknowledges chunks is paused at `ack_window` unacknowledged chunks
     (socket buffers would otherwise absorb its lag), resumes as it acks, and is ended with
     `too_slow` when it stops acknowledging while that far behind."""
     limits = SessionLimits(ack_window=2, slow_client_timeout_s=1.0)
-    server, test_server = await start_server(models, limits=limits)
+    server, test_server = await start_server(models, limits=limits, transport=transport)
     url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
     (engine,) = server.models["tiny-wan"].engine.engines
     try:
@@ -604,3 +653,42 @@ def test_the_browser_demo_ships_inside_the_package(tmp_path):
     # pyproject lists the packages (a mapped directory defeats discovery): none may be left out.
     packages = {str(p.relative_to(root)) for p in (root / "streamworld").rglob("__init__.py")}
     assert packages <= packaged
+
+
+async def _raw_transcript(url: str, start: dict) -> tuple[list, int | None]:
+    """Every frame the server sends for `start`, as it arrives (text or bytes), and the close."""
+    frames = []
+    async with websockets.connect(url, max_size=2**24) as ws:
+        await ws.send(json.dumps(start))
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                frames.append(await asyncio.wait_for(ws.recv(), 10))
+    return frames, ws.close_code
+
+
+def _masked(frame):
+    """A text frame with what differs between any two runs masked: the session id and the
+    measured timings (their digits); the key order, separators and every other byte stay."""
+    if isinstance(frame, bytes):
+        return frame
+    frame = re.sub(r'"session_id": "[0-9a-f]+"', '"session_id": "-"', frame)
+    return re.sub(r'("timings": \{)[^}]*\}', lambda m: m.group(1) + re.sub(r"[0-9.e-]+", "0", m.group(0)), frame)
+
+
+@pytest.mark.parametrize("fmt", ["rgb", "fmp4"])
+async def test_both_transports_send_the_same_bytes(models, fmt):
+    """Protocol v1 byte for byte over aiohttp and over ASGI: the same frames, text and binary,
+    in the same order, with the same close code (timings and the session id aside)."""
+    start = {"type": "session.start", "format": fmt, "num_chunks": 3, "seed": 11, "kv_mode": "noisy"}
+    transcripts = []
+    for transport in TRANSPORTS:
+        _, test_server = await start_server(models, transport=transport)
+        try:
+            transcripts.append(await _raw_transcript(f"ws://127.0.0.1:{test_server.port}/v1/stream", start))
+        finally:
+            await test_server.close()
+    (a, code_a), (b, code_b) = transcripts
+    assert code_a == code_b == 1000
+    assert [type(f) for f in a] == [type(f) for f in b] and len(a) >= 7  # started, 3 x (chunk, payload), done
+    assert [_masked(f) for f in a] == [_masked(f) for f in b]
+    assert '"timings": {' in a[1 if fmt == "rgb" else 2]  # the masking had something to mask

@@ -26,7 +26,7 @@ class Key(NamedTuple):
         return "--" + self.key.replace("_", "-")
 
 
-SERVER_KEYS = ("host", "port", "log_level", "max_connections", "auth_token")
+SERVER_KEYS = ("transport", "host", "port", "log_level", "max_connections", "auth_token")
 LIMIT_KEYS = ("start_timeout", "pause_chunks", "slow_client_timeout", "ack_window", "queue_timeout")
 ENGINE_KEYS = ("max_sessions", "max_queue", "ttff_budget", "max_batch", "token_budget", "threads")
 MODEL_KEYS = (

@@ -147,6 +147,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=arguments.KV_MODES,
         help="K/V mode of sessions that do not ask for one (default: the model's, see /v1/models)",
     )
+    parser.add_argument(
+        "--transport",
+        choices=("aiohttp", "asgi"),
+        default="aiohttp",
+        help="the web server: aiohttp (default) or asgi (the same protocol as a FastAPI application "
+        'under uvicorn, as Ray Serve runs it; needs pip install -e ".[asgi]")',
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument(
         "--port", type=int, default=8000, help="port, 1-65535; 0 picks a free one (default 8000)"
@@ -308,9 +315,19 @@ async def _serve_until_signal(server: StreamWorldServer, config: ServeConfig) ->
     """Serves until SIGINT or SIGTERM, then drains while the port still listens (/healthz says
     503, live sessions get session.done) before the port closes."""
     import asyncio
-    import logging
     import signal
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if config.deploy.server.transport == "asgi":
+        await _serve_asgi(server, config, stop)
+    else:
+        await _serve_aiohttp(server, config, stop)
+
+
+async def _serve_aiohttp(server: StreamWorldServer, config: ServeConfig, stop) -> None:
     from aiohttp import web
 
     host, port = config.host, config.port
@@ -322,25 +339,53 @@ async def _serve_until_signal(server: StreamWorldServer, config: ServeConfig) ->
         except OSError as e:
             raise UsageError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         port = _bound_port(runner, port)  # --port 0: the port the system picked
-        token = " (a token is required)" if config.server.auth_token is not None else ""
-        print(
-            f"StreamWorld serving {', '.join(config.model_ids)} at http://{host}:{port}/ "
-            f"(streams: ws://{host}:{port}/v1/stream){token}; Ctrl-C stops",
-            flush=True,
-        )
-        for mid, placed in config.placements.items():
-            if len(placed.replicas) > 1 or len(placed.replicas[0].stages) > 1:
-                print(f"  {mid}: {len(placed.replicas)} replica(s): {placed.describe()}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        _announce(config, port)
         await stop.wait()
-        logging.getLogger("streamworld.serve").info("stopping: draining live sessions")
+        _stopping()
         await server.drain()
     finally:
         await runner.cleanup()
     print(f"StreamWorld stopped serving at http://{host}:{port}/", flush=True)
+
+
+async def _serve_asgi(server: StreamWorldServer, config: ServeConfig, stop) -> None:
+    try:
+        from ..server.asgi import serve_asgi
+    except ImportError as e:
+        raise UsageError(
+            f'--transport asgi needs FastAPI and uvicorn: pip install -e ".[asgi]" ({e})'
+        ) from None
+    port = await serve_asgi(
+        server,
+        config.host,
+        config.port,
+        config.deploy.server.log_level,
+        stop,
+        announce=lambda bound: _announce(config, bound),
+        stopping=_stopping,
+    )
+    if port is None:
+        raise UsageError(f"cannot listen on {config.host}:{config.port} (uvicorn says why above)")
+    print(f"StreamWorld stopped serving at http://{config.host}:{port}/", flush=True)
+
+
+def _announce(config: ServeConfig, port: int) -> None:
+    host = config.host
+    token = " (a token is required)" if config.server.auth_token is not None else ""
+    print(
+        f"StreamWorld serving {', '.join(config.model_ids)} at http://{host}:{port}/ "
+        f"(streams: ws://{host}:{port}/v1/stream){token}; Ctrl-C stops",
+        flush=True,
+    )
+    for mid, placed in config.placements.items():
+        if len(placed.replicas) > 1 or len(placed.replicas[0].stages) > 1:
+            print(f"  {mid}: {len(placed.replicas)} replica(s): {placed.describe()}", flush=True)
+
+
+def _stopping() -> None:
+    import logging
+
+    logging.getLogger("streamworld.serve").info("stopping: draining live sessions")
 
 
 def _bound_port(runner, default: int) -> int:

@@ -44,6 +44,7 @@ class Limits(_Section):
 
 
 class ServerSection(_Section):
+    transport: Literal["aiohttp", "asgi"] = "aiohttp"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

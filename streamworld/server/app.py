@@ -19,7 +19,7 @@ import hmac
 import importlib.util
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from http import HTTPStatus
@@ -33,9 +33,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..engine import AsyncEngine, EngineConfig, Placement, ReplicaSet
 from ..models.world_model import WorldModel
 from ..scenes import first_frame_source
+from . import protocol
 from .config import ServedModel, ServerConfig
 from .metrics import Metrics
 from .session import Session, SessionContext
+from .sockets import AiohttpSocket, SessionSocket
 
 log = logging.getLogger("streamworld.server")
 
@@ -127,13 +129,13 @@ def origin_allowed(origin: str | None, host: str, allowed: tuple[str, ...]) -> b
     return bool(sep) and scheme in ("http", "https") and authority == host.lower()
 
 
-def bearer_token(request: web.Request) -> str:
+def bearer_token(headers: Mapping[str, str], query: Mapping[str, str]) -> str:
     """The token a request carries: `Authorization: Bearer T`, else the `token` query parameter
     (browsers cannot set headers on a WebSocket)."""
-    scheme, _, value = request.headers.get("Authorization", "").partition(" ")
+    scheme, _, value = headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer":
         return value.strip()
-    return request.query.get("token", "")
+    return query.get("token", "")
 
 
 def served_model(
@@ -220,10 +222,9 @@ class StreamWorldServer:
     async def _require_token(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        token = self.config.auth_token
         resource = request.match_info.route.resource
-        guarded = token is not None and resource is not None and resource.canonical in TOKEN_PATHS
-        if guarded and not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
+        guarded = resource is not None and resource.canonical in TOKEN_PATHS
+        if guarded and not self.token_ok(bearer_token(request.headers, request.query)):
             raise web.HTTPUnauthorized(
                 text="401: this server needs a token (Authorization: Bearer, or ?token=)\n",
                 headers={"WWW-Authenticate": 'Bearer realm="streamworld"'},
@@ -234,11 +235,62 @@ class StreamWorldServer:
         response.headers["Server"] = SERVER_NAME
 
     async def _startup(self, app: web.Application) -> None:
-        for served in self.models.values():
-            await served.engine.start()
+        await self.start()
 
     async def _shutdown(self, app: web.Application) -> None:
         await self.drain()
+
+    # --- what every transport shares (aiohttp here, ASGI in asgi.py) ---------------------------
+    async def start(self) -> None:
+        for served in self.models.values():
+            await served.engine.start()
+
+    def health(self) -> tuple[dict, int]:
+        """/healthz: the body and status."""
+        body = {
+            "status": "shutting_down" if self.shutting_down else "ok",
+            "models": list(self.models),
+            "sessions": len(self.sessions),
+            "replicas": {mid: len(m.engine.engines) for mid, m in self.models.items()},
+        }
+        return body, 503 if self.shutting_down else 200
+
+    def model_list(self) -> dict:
+        """/v1/models."""
+        entries = []
+        for mid, served in self.models.items():
+            entry = served.model.config.describe()
+            entry["default"] = mid == self.default_model
+            entry["has_default_image"] = served.first_frame is not None
+            entries.append(entry)
+        return {"models": entries}
+
+    def token_ok(self, token: str) -> bool:
+        expected = self.config.auth_token
+        return expected is None or hmac.compare_digest(token.encode(), expected.encode())
+
+    def upgrade_refusal(self, origin: str | None, host: str) -> tuple[int, str] | None:
+        """Why a WebSocket upgrade is refused (HTTP status and text), or None."""
+        if not origin_allowed(origin, host, self.config.allowed_origins):
+            log.info("WebSocket upgrade from origin %r refused", origin)
+            return 403, "403: this origin may not open streams here\n"
+        if self.shutting_down:
+            return 503, "503: the server is shutting down\n"
+        if self.connections >= self.config.max_connections:
+            log.warning("connection limit (%d) reached; upgrade refused", self.config.max_connections)
+            return 503, "503: too many connections; try again later\n"
+        return None
+
+    async def run_session(self, socket: SessionSocket) -> None:
+        """One accepted WebSocket, whatever its transport, until its session ends."""
+        session = Session(self.context, socket, secrets.token_hex(8))
+        self.sessions.add(session)
+        try:
+            await session.serve()
+        finally:
+            self.sessions.discard(session)
+            if not socket.closed:
+                await socket.close(protocol.CLOSE_OK)
 
     async def drain(self) -> None:
         """Stops admitting, ends live sessions with session.done, drops what does not end.
@@ -262,6 +314,10 @@ class StreamWorldServer:
                 s.abort()  # a client that does not take session.done in time is dropped
 
     async def _cleanup(self, app: web.Application) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stops the engines and the pools (after `drain`)."""
         for served in self.models.values():
             await served.engine.close()
             close = getattr(served.first_frame, "close", None)
@@ -271,25 +327,14 @@ class StreamWorldServer:
 
     # --- handlers --------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
-        body = {
-            "status": "shutting_down" if self.shutting_down else "ok",
-            "models": list(self.models),
-            "sessions": len(self.sessions),
-            "replicas": {mid: len(m.engine.engines) for mid, m in self.models.items()},
-        }
-        return web.json_response(body, status=503 if self.shutting_down else 200)
+        body, status = self.health()
+        return web.json_response(body, status=status)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def list_models(self, request: web.Request) -> web.Response:
-        entries = []
-        for mid, served in self.models.items():
-            entry = served.model.config.describe()
-            entry["default"] = mid == self.default_model
-            entry["has_default_image"] = served.first_frame is not None
-            entries.append(entry)
-        return web.json_response({"models": entries})
+        return web.json_response(self.model_list())
 
     async def index(self, request: web.Request) -> web.StreamResponse:
         page = WEB_ROOT / "index.html"
@@ -305,30 +350,18 @@ class StreamWorldServer:
         return web.Response(text=html, content_type="text/html")
 
     async def stream(self, request: web.Request) -> web.WebSocketResponse:
-        if not origin_allowed(request.headers.get("Origin"), request.host, self.config.allowed_origins):
-            log.info("WebSocket upgrade from origin %r refused", request.headers.get("Origin"))
-            raise web.HTTPForbidden(text="403: this origin may not open streams here\n")
-        if self.shutting_down:
-            raise web.HTTPServiceUnavailable(text="503: the server is shutting down\n")
-        if self.connections >= self.config.max_connections:
-            log.warning("connection limit (%d) reached; upgrade refused", self.config.max_connections)
-            raise web.HTTPServiceUnavailable(text="503: too many connections; try again later\n")
+        refusal = self.upgrade_refusal(request.headers.get("Origin"), request.host)
+        if refusal is not None:
+            status, text = refusal
+            raise web.HTTPForbidden(text=text) if status == 403 else web.HTTPServiceUnavailable(text=text)
         self.connections += 1
         try:
-            return await self._serve_stream(request)
+            # No permessage-deflate: media payloads do not compress, and it costs CPU per chunk.
+            ws = web.WebSocketResponse(
+                max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False
+            )
+            await ws.prepare(request)
+            await self.run_session(AiohttpSocket(ws, request.transport))
+            return ws
         finally:
             self.connections -= 1
-
-    async def _serve_stream(self, request: web.Request) -> web.WebSocketResponse:
-        # No permessage-deflate: media payloads do not compress, and it costs CPU per chunk.
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False)
-        await ws.prepare(request)
-        session = Session(self.context, ws, secrets.token_hex(8), transport=request.transport)
-        self.sessions.add(session)
-        try:
-            await session.serve()
-        finally:
-            self.sessions.discard(session)
-            if not ws.closed:
-                await ws.close()
-        return ws

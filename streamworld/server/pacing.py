@@ -22,10 +22,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from aiohttp import web
-
 from ..engine import ChunkOutput, StreamHandle
 from .config import SessionLimits
+from .sockets import SessionSocket, dumps
 
 log = logging.getLogger("streamworld.server")
 
@@ -42,9 +41,9 @@ class Sender:
     """Sends to one WebSocket, messages of one call back to back, within the send timeout."""
 
     def __init__(
-        self, ws: web.WebSocketResponse, timeout_s: float, abort: Callable[[], None], label: str
+        self, socket: SessionSocket, timeout_s: float, abort: Callable[[], None], label: str
     ) -> None:
-        self.ws = ws
+        self.socket = socket
         self.timeout_s = timeout_s
         self.abort = abort
         self.label = label  # for the log
@@ -55,8 +54,8 @@ class Sender:
 
         A client that does not take them in time is cut off: its connection is aborted
         (nothing more can reach a client that does not read) and `ClientTooSlow` is raised.
-        The send itself is never cancelled, since cancelling aiohttp's drain would break the
-        connection's later writes and close.
+        The send itself is never cancelled here, since cancelling aiohttp's drain would break
+        the connection's later writes and close; the abort ends it.
         """
         async with self._lock:
             task = asyncio.ensure_future(self._write(messages))
@@ -72,9 +71,9 @@ class Sender:
     async def _write(self, messages: tuple[dict | bytes, ...]) -> None:
         for m in messages:
             if isinstance(m, bytes):
-                await self.ws.send_bytes(m)
+                await self.socket.send_bytes(m)
             else:
-                await self.ws.send_json(m)
+                await self.socket.send_text(dumps(m))
 
 
 class Pacing:

@@ -20,8 +20,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import WSMsgType, web
-
 from ..engine import ChunkOutput, Overloaded, StreamError, StreamHandle, StreamRequest, Unsupported
 from ..media import make_encoder
 from ..models.config import ModelConfig
@@ -38,6 +36,7 @@ from .protocol import (
     ProtocolError,
     SessionStart,
 )
+from .sockets import SessionSocket, messages
 
 if TYPE_CHECKING:
     from ..media import ChunkEncoder
@@ -75,15 +74,12 @@ def refusal(e: Exception) -> tuple[ProtocolError, int]:
 
 
 class Session:
-    def __init__(
-        self, ctx: SessionContext, ws: web.WebSocketResponse, session_id: str, transport=None
-    ) -> None:
+    def __init__(self, ctx: SessionContext, socket: SessionSocket, session_id: str) -> None:
         self.ctx = ctx
-        self.ws = ws
+        self.ws = socket  # any transport (sockets.py)
         self.id = session_id
-        self.transport = transport
         self.sender = Sender(
-            ws, ctx.limits.slow_client_timeout_s, self._drop_slow_client, f"session {session_id}"
+            socket, ctx.limits.slow_client_timeout_s, self._drop_slow_client, f"session {session_id}"
         )
         self.start: SessionStart | None = None
         self.cfg: ModelConfig | None = None
@@ -119,8 +115,7 @@ class Session:
         return 0 if self.pacing is None else self.pacing.acked
 
     def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        self.ws.abort()
 
     def _drop_slow_client(self) -> None:
         """A send timed out: counted as an error (docs/protocol.md) before the reader can see the
@@ -138,7 +133,7 @@ class Session:
 
     async def close_going_away(self) -> None:
         """Server shutdown, for a connection that has not started a session."""
-        await self.ws.close(code=protocol.CLOSE_GOING_AWAY, message=b"server shutting down")
+        await self.ws.close(protocol.CLOSE_GOING_AWAY, b"server shutting down")
 
     async def serve(self) -> None:
         """The whole session; whatever happens, its stream is cancelled when this returns."""
@@ -153,8 +148,8 @@ class Session:
         except Exception:
             log.exception("session %s failed", self.id)
             with contextlib.suppress(Exception):
-                await self.ws.send_json(protocol.error("internal", "internal server error"))
-                await self.ws.close(code=CLOSE_INTERNAL, message=b"internal error")
+                await self.sender.send(protocol.error("internal", "internal server error"))
+                await self.ws.close(CLOSE_INTERNAL, b"internal error")
         finally:
             if self.handle is not None:
                 self.handle.cancel()
@@ -166,7 +161,7 @@ class Session:
         with contextlib.suppress(*CLIENT_GONE):
             for message in messages:
                 await self.sender.send(message)
-            await self.ws.close(code=code, message=protocol.close_reason(reason))
+            await self.ws.close(code, protocol.close_reason(reason))
 
     async def _fail(self, err: ProtocolError, code: int) -> None:
         await self._end(code, err.message, err.to_message())
@@ -211,13 +206,13 @@ class Session:
         except TimeoutError:
             await self._fail(ProtocolError("bad_request", "no session.start received in time"), CLOSE_POLICY)
             return None
-        if msg.type == WSMsgType.BINARY:
+        if msg.kind == "binary":
             await self._fail(
                 ProtocolError("bad_request", "binary messages are not accepted"), CLOSE_UNSUPPORTED_DATA
             )
             return None
-        if msg.type != WSMsgType.TEXT:
-            return None  # closed, or an oversize frame (aiohttp closes with 1009)
+        if msg.kind != "text":
+            return None  # closed, or an oversize frame (the framework closes with 1009)
         try:
             parsed = protocol.parse_json(msg.data)
             # Off the event loop, and a bounded number at once: a first image is decoded here.
@@ -350,12 +345,10 @@ class Session:
     async def _reader(self) -> None:
         """Client messages during the session; a disconnect cancels the stream at once."""
         try:
-            async for msg in self.ws:
-                if msg.type == WSMsgType.BINARY:
+            async for msg in messages(self.ws):
+                if msg.kind == "binary":
                     err = ProtocolError("bad_request", "binary messages are not accepted")
                     await self._fail(err, CLOSE_UNSUPPORTED_DATA)
-                    break
-                if msg.type != WSMsgType.TEXT:
                     break
                 try:
                     reply = self._handle_message(protocol.parse_json(msg.data))

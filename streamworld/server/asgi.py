@@ -1,0 +1,193 @@
+"""The same server as an ASGI application (FastAPI on Starlette), for uvicorn and Ray Serve.
+
+    GET /            the browser demo          GET /metrics    Prometheus text format
+    GET /healthz     health (503 draining)     GET /v1/models  served models
+    WS  /v1/stream   one connection = one stream, protocol v1 byte for byte as over aiohttp
+
+Everything but the transport is `StreamWorldServer`'s (app.py): the session state machine,
+limits, metrics, origin and token checks, drain. `build_asgi_app` starts the engines at the
+application's startup and drains and stops them at its shutdown (or leaves both to its
+caller, as `serve_asgi` and the Ray Serve deployment do). Run it with
+
+    streamworld serve --transport asgi ...      (uvicorn in place of aiohttp; `serve_asgi`)
+
+A refused upgrade is answered with its HTTP status where the server supports the
+WebSocket denial extension (uvicorn does) and otherwise with a close before the handshake
+(HTTP 403). The text frame bound is the server's (`--ws-max-size` for uvicorn, which
+`serve` sets from `ServerConfig.max_text_frame`); an oversize frame closes with 1009.
+"""
+
+
+# No `from __future__ import annotations`: FastAPI reads the route functions' annotations
+# (WebSocket, Request), imported inside build_asgi_app, so they must be evaluated there.
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from .app import SERVER_NAME, TOKEN_PATHS, WEB_ROOT, StreamWorldServer, bearer_token
+from .sockets import AsgiSocket
+
+log = logging.getLogger("streamworld.server")
+
+
+def build_asgi_app(server: StreamWorldServer, manage_lifespan: bool = True):
+    """A FastAPI application serving `server`. `manage_lifespan`: start and stop the engines
+    with the application (False: the caller does, as the Ray Serve deployment)."""
+    from fastapi import FastAPI, Request, WebSocket
+    from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
+    from fastapi.staticfiles import StaticFiles
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app) -> AsyncIterator[None]:
+        if manage_lifespan:
+            await server.start()
+        yield
+        if manage_lifespan:
+            await server.drain()
+            await server.close()
+
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path in TOKEN_PATHS and not server.token_ok(
+            bearer_token(request.headers, request.query_params)
+        ):
+            return PlainTextResponse(
+                "401: this server needs a token (Authorization: Bearer, or ?token=)\n",
+                status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="streamworld"', "Server": SERVER_NAME},
+            )
+        response = await call_next(request)
+        response.headers["Server"] = SERVER_NAME
+        return response
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        body, status = server.health()
+        return _json(body, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(server.model_list())
+
+    @app.get("/")
+    async def index():
+        page = WEB_ROOT / "index.html"
+        if page.is_file():
+            return FileResponse(page)
+        return HTMLResponse(
+            "<!doctype html><title>StreamWorld</title><p>The browser demo's files are missing.</p>"
+        )
+
+    if WEB_ROOT.is_dir():
+        app.mount("/web", StaticFiles(directory=WEB_ROOT), name="web")
+
+    @app.websocket("/v1/stream")
+    async def stream(websocket: WebSocket) -> None:
+        if not server.token_ok(bearer_token(websocket.headers, websocket.query_params)):
+            refusal = (401, "401: this server needs a token (Authorization: Bearer, or ?token=)\n")
+        else:
+            refusal = server.upgrade_refusal(
+                websocket.headers.get("origin"), websocket.headers.get("host", "")
+            )
+        if refusal is not None:
+            await _deny(websocket, *refusal)
+            return
+        server.connections += 1
+        try:
+            await websocket.accept()
+            await server.run_session(AsgiSocket(websocket))
+        finally:
+            server.connections -= 1
+
+    return app
+
+
+async def _deny(websocket, status: int, text: str) -> None:
+    """An HTTP answer to the upgrade where the server can send one, else a close (403)."""
+    from fastapi.responses import PlainTextResponse
+
+    extensions = websocket.scope.get("extensions") or {}
+    if "websocket.http.response" in extensions:
+        await websocket.send_denial_response(
+            PlainTextResponse(text, status_code=status, headers={"Server": SERVER_NAME})
+        )
+    else:
+        await websocket.close(code=1008)
+
+
+async def serve_asgi(
+    server: StreamWorldServer,
+    host: str,
+    port: int,
+    log_level: str,
+    stop: asyncio.Event,
+    announce: Callable[[int], None] = lambda port: None,
+    stopping: Callable[[], None] = lambda: None,
+) -> int | None:
+    """Runs `server` under uvicorn until `stop` is set, then drains while the port still
+    listens (as `streamworld serve` does over aiohttp) before uvicorn closes it. Returns the
+    port it served on, or None if uvicorn could not listen."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        build_asgi_app(server, manage_lifespan=False),
+        host=host,
+        port=port,
+        log_level=log_level,
+        ws_max_size=server.config.max_text_frame,
+        ws_ping_interval=30.0,
+        ws_per_message_deflate=False,
+        lifespan="off",
+        server_header=False,
+    )
+    runner = _quiet_server(config)
+    await server.start()
+    task = asyncio.create_task(runner.serve())
+    try:
+        while not runner.started:
+            if task.done():  # uvicorn logs why (the port is taken) and returns
+                return None
+            await asyncio.sleep(0.05)
+        bound = runner.servers[0].sockets[0].getsockname()[1] if runner.servers else port
+        announce(bound)
+        await stop.wait()
+        stopping()
+        await server.drain()
+        return bound
+    finally:
+        runner.should_exit = True
+        with contextlib.suppress(BaseException):
+            await task
+        await server.close()
+
+
+def _quiet_server(config):
+    """uvicorn.Server without its own signal handlers: the caller's drain comes first."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+        def install_signal_handlers(self) -> None:  # uvicorn before 0.29
+            pass
+
+    return Server(config)
+
+
+def _json(body: dict, status: int = 200):
+    """JSON as the aiohttp server writes it (json.dumps' separators), so bodies are the same."""
+    import json
+
+    from fastapi.responses import Response
+
+    return Response(json.dumps(body), status_code=status, media_type="application/json")

@@ -1,0 +1,167 @@
+"""The socket a session runs over: a small interface, and one adapter per web framework.
+
+A `Session` (session.py) needs five things of its WebSocket: send a text message, send a
+binary one, receive the next message (with a timeout), close with a code and reason, and
+abort (cut off a client that does not read). `SessionSocket` is that interface;
+
+    AiohttpSocket   aiohttp's WebSocketResponse (app.py, `streamworld serve`)
+    AsgiSocket      Starlette's WebSocket, so FastAPI and any ASGI server (asgi.py, Ray Serve)
+
+Both send exactly the same bytes: JSON messages are `json.dumps` with its default
+separators (what aiohttp's `send_json` writes), payloads as they are. Whatever a framework
+raises once the client has gone becomes `ConnectionError`, which sessions treat as the
+client leaving (pacing.CLIENT_GONE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from aiohttp import WSMsgType, web
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One message from the client: text, binary, or the end of the connection (closed:
+    the client closed or left, or broke a framing limit the framework enforces)."""
+
+    kind: Literal["text", "binary", "closed"]
+    data: str | bytes | None = None
+
+
+CLOSED = Incoming("closed")
+
+
+class SessionSocket(Protocol):
+    @property
+    def closed(self) -> bool: ...
+
+    async def send_text(self, text: str) -> None: ...
+
+    async def send_bytes(self, data: bytes) -> None: ...
+
+    async def receive(self, timeout: float | None = None) -> Incoming:
+        """The next message; `TimeoutError` after `timeout` seconds without one."""
+        ...
+
+    async def close(self, code: int, reason: bytes = b"") -> None: ...
+
+    def abort(self) -> None:
+        """Drops the connection now, without a closing handshake; pending sends fail."""
+        ...
+
+
+def dumps(message: dict) -> str:
+    """A protocol message as sent on every transport."""
+    return json.dumps(message)
+
+
+async def messages(socket: SessionSocket):
+    """The client's messages until the connection ends."""
+    while True:
+        msg = await socket.receive()
+        if msg.kind == "closed":
+            return
+        yield msg
+
+
+class AiohttpSocket:
+    def __init__(self, ws: web.WebSocketResponse, transport: Any = None) -> None:
+        self.ws = ws
+        self.transport = transport
+
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed
+
+    async def send_text(self, text: str) -> None:
+        await self.ws.send_str(text)
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.ws.send_bytes(data)
+
+    async def receive(self, timeout: float | None = None) -> Incoming:
+        msg = await self.ws.receive(timeout=timeout)
+        if msg.type == WSMsgType.TEXT:
+            return Incoming("text", msg.data)
+        if msg.type == WSMsgType.BINARY:
+            return Incoming("binary", msg.data)
+        return CLOSED  # closed, or an oversize frame (aiohttp closes with 1009)
+
+    async def close(self, code: int, reason: bytes = b"") -> None:
+        await self.ws.close(code=code, message=reason)
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class AsgiSocket:
+    """Starlette's WebSocket, accepted. An ASGI application cannot reach the TCP connection,
+    so `abort` cancels the sends in flight and marks the socket closed; the server (uvicorn,
+    Ray Serve's proxy) drops the connection when the handler returns."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self._closed = False
+        self._sends: set[asyncio.Task] = set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def send_text(self, text: str) -> None:
+        await self._send({"type": "websocket.send", "text": text})
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self._send({"type": "websocket.send", "bytes": data})
+
+    async def _send(self, message: dict) -> None:
+        if self._closed:
+            raise ConnectionError("the WebSocket is closed")
+        task = asyncio.current_task()
+        self._sends.add(task)
+        try:
+            await self.ws.send(message)
+        except asyncio.CancelledError:
+            if self._closed:  # aborted: the client is gone, not this task cancelled
+                raise ConnectionError("the WebSocket was aborted") from None
+            raise
+        except Exception as e:  # WebSocketDisconnect, a closed transport, a send after close
+            self._closed = True
+            raise ConnectionError(f"the client went away ({type(e).__name__})") from None
+        finally:
+            self._sends.discard(task)
+
+    async def receive(self, timeout: float | None = None) -> Incoming:
+        if self._closed:
+            return CLOSED
+        try:
+            msg = await asyncio.wait_for(self.ws.receive(), timeout)
+        except TimeoutError:
+            raise
+        except Exception:  # the connection broke under the receive
+            self._closed = True
+            return CLOSED
+        if msg["type"] != "websocket.receive":  # websocket.disconnect
+            self._closed = True
+            return CLOSED
+        if msg.get("text") is not None:
+            return Incoming("text", msg["text"])
+        return Incoming("binary", msg.get("bytes") or b"")
+
+    async def close(self, code: int, reason: bytes = b"") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self.ws.close(code=code, reason=reason.decode("utf-8", "replace"))
+
+    def abort(self) -> None:
+        self._closed = True
+        for task in list(self._sends):
+            task.cancel()

@@ -17,7 +17,6 @@ WebSocket denial extension (uvicorn does) and otherwise with a close before the 
 `serve` sets from `ServerConfig.max_text_frame`); an oversize frame closes with 1009.
 """
 
-
 # No `from __future__ import annotations`: FastAPI reads the route functions' annotations
 # (WebSocket, Request), imported inside build_asgi_app, so they must be evaluated there.
 import asyncio

@@ -88,6 +88,10 @@ class SessionInfo:
     frames_per_chunk: int
     first_chunk_frames: int
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # Extensions: the engine replica (a model served by several) and the server instance
+    # (several servers behind one address, as Ray Serve replicas) that hold the session.
+    replica: int | None = None
+    instance: str | None = None
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> SessionInfo:
@@ -104,6 +108,8 @@ class SessionInfo:
                 frames_per_chunk=int(message["frames_per_chunk"]),
                 first_chunk_frames=int(message["first_chunk_frames"]),
                 raw=message,
+                replica=None if message.get("replica") is None else int(message["replica"]),
+                instance=None if message.get("instance") is None else str(message["instance"]),
             )
         except KeyError as e:
             raise StreamWorldError("protocol", f"session.started lacks the field {e.args[0]!r}") from None

@@ -1,7 +1,7 @@
 """The `streamworld` parser and dispatch: each command module adds its own subparser.
 
 Subcommands: `serve` (the streaming server), `config` (the deployment file, checked and
-printed), `generate` (the sequential reference
+printed), `ray-serve` (replicas on Ray Serve), `generate` (the sequential reference
 generator), `bench` (the engine against the sequential baseline), `train` and `eval` (the
 embedded PushT world model), `distill-decoder` (the lite decoder) and `models` (the model
 presets).
@@ -13,12 +13,12 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, config, distill_decoder, eval, generate, models, serve, train
+from . import bench, config, distill_decoder, eval, generate, models, ray_serve, serve, train
 from .deployment import given_dests
 from .errors import UsageError
 
 # In the order `streamworld --help` lists them.
-COMMANDS = (serve, config, generate, bench, train, eval, distill_decoder, models)
+COMMANDS = (serve, config, ray_serve, generate, bench, train, eval, distill_decoder, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -187,7 +187,7 @@ class StreamWorldServer:
             self.config.encode_threads, thread_name_prefix="streamworld-encode"
         )
         self.context = SessionContext(
-            self.models, self.default_model, self.limits, self.metrics, self.encode_pool
+            self.models, self.default_model, self.limits, self.metrics, self.encode_pool, self.config.instance
         )
 
     @property
@@ -252,7 +252,12 @@ class StreamWorldServer:
             "models": list(self.models),
             "sessions": len(self.sessions),
             "replicas": {mid: len(m.engine.engines) for mid, m in self.models.items()},
+            "kv_pages_used": {
+                mid: sum(e.pool.pages_used for e in m.engine.engines) for mid, m in self.models.items()
+            },
         }
+        if self.config.instance is not None:
+            body["instance"] = self.config.instance
         return body, 503 if self.shutting_down else 200
 
     def model_list(self) -> dict:

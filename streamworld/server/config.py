@@ -43,6 +43,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     # A shared secret required on /v1/stream, /v1/models and /metrics; None: no token needed.
     auth_token: str | None = field(default=None, repr=False)
+    # Which server this is, where several serve one address (a Ray Serve replica's id):
+    # given in session.started and /healthz. None: not given.
+    instance: str | None = None
 
 
 @dataclass

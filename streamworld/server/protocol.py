@@ -371,8 +371,10 @@ def session_started(
     codec: str,
     scene: dict | None,
     replica: int | None = None,
+    instance: str | None = None,
 ) -> dict[str, Any]:
-    """`replica` only for a model served by several replicas (which one runs the session)."""
+    """`replica` only for a model served by several replicas (which one runs the session);
+    `instance` only where several servers share one address (which one holds the session)."""
     return {
         "type": "session.started",
         "session_id": session_id,
@@ -389,6 +391,7 @@ def session_started(
         "action_dim": cfg.action_dim,
         **({"scene": scene} if scene is not None else {}),
         **({"replica": replica} if replica is not None else {}),
+        **({"instance": instance} if instance is not None else {}),
     }
 
 

@@ -55,6 +55,7 @@ class SessionContext:
     limits: SessionLimits
     metrics: Metrics
     encode_pool: Executor
+    instance: str | None = None  # ServerConfig.instance
     shutting_down: bool = False
 
     def __post_init__(self) -> None:
@@ -284,7 +285,9 @@ class Session:
             return
         replicas = len(self.ctx.models[self.cfg.id].engine.engines)
         replica = self.handle.replica if replicas > 1 else None
-        started = protocol.session_started(self.id, self.cfg, self.start, encoder.codec, self.scene, replica)
+        started = protocol.session_started(
+            self.id, self.cfg, self.start, encoder.codec, self.scene, replica, self.ctx.instance
+        )
         init = encoder.init_segment()
         await self.sender.send(*((started, init) if init else (started,)))
         pump = asyncio.create_task(self._pump(), name=f"session-{self.id}-pump")

@@ -1,0 +1,232 @@
+"""StreamWorld on Ray Serve: two CPU replicas of `pusht` on a local Ray instance.
+
+Marked `ray` and left out of the default run (Ray is an optional extra); CI installs
+`.[ray]` and runs `python -m pytest -m ray`. One local Ray and one application serve the
+whole module, about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import socket
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import websockets
+
+from streamworld.client import StreamWorldClient, StreamWorldError
+from streamworld.deploy.config import validate
+from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+from streamworld.models import get_preset
+from streamworld.models.world_model import WorldModel
+from streamworld.pusht.world import initial_frame
+
+pytestmark = pytest.mark.ray
+ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install -e ".[ray]"')
+
+APP = "streamworld-test"
+DEPLOY = {
+    "server": {"host": "127.0.0.1"},
+    # 3 sessions per replica; 1 more may wait in a replica's queue.
+    "engine": {"max_sessions": 3, "max_queue": 1, "threads": 1},
+    "models": [{"model": "pusht", "device": "cpu"}],
+    "ray": {"min_replicas": 2, "max_replicas": 2, "num_cpus": 1, "name": APP},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    from ray import serve
+
+    from streamworld.deploy import ray_serve
+
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(ray_serve.application(validate(DEPLOY, "test")), name=APP, route_prefix="/")
+        yield f"ws://127.0.0.1:{port}/v1/stream", f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pusht() -> WorldModel:
+    return WorldModel.load(get_preset("pusht"))
+
+
+def _health(http: str) -> dict:
+    with urllib.request.urlopen(f"{http}/healthz", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _pages_by_instance(http: str, want: int = 2, tries: int = 60) -> dict[str, int]:
+    """K/V pages in use per replica: /healthz answers from either, so ask until both have."""
+    seen: dict[str, int] = {}
+    for _ in range(tries):
+        body = _health(http)
+        seen[body["instance"]] = body["kv_pages_used"]["pusht"]
+        if len(seen) >= want and not any(seen.values()):
+            break
+        time.sleep(0.1)
+    return seen
+
+
+async def _session(url: str, seed: int, actions: np.ndarray, chunks: int = 2):
+    async with StreamWorldClient(url, seed=seed, num_chunks=chunks, format="rgb", action_policy="wait") as c:
+        await c.send_actions(actions, frame=0)
+        frames = np.concatenate([ch.frames async for ch in c.chunks()])
+        return c.info.instance, c.done_reason, frames
+
+
+def _expected(pusht: WorldModel, seed: int, actions: np.ndarray) -> np.ndarray:
+    image, _ = initial_frame(seed)
+    request = GenerationRequest(seed=seed, num_chunks=2, image=image, actions=actions.astype(np.float32))
+    return ReferenceGenerator(pusht).generate(request).frames
+
+
+async def test_six_sessions_spread_over_both_replicas_with_the_reference_frames(app_url, pusht):
+    url, http = app_url
+    rng = np.random.default_rng(0)
+    plans = {seed: rng.uniform(100, 400, size=(8, 2)) for seed in range(20, 26)}
+    results = await asyncio.wait_for(
+        asyncio.gather(*(_session(url, seed, actions) for seed, actions in plans.items())), 240
+    )
+    per_replica = collections.Counter(instance for instance, _, _ in results)
+    assert len(per_replica) == 2 and all(n >= 1 for n in per_replica.values()), per_replica
+    for (seed, actions), (_, reason, frames) in zip(plans.items(), results, strict=True):
+        assert reason == "completed"
+        assert np.abs(frames.astype(int) - _expected(pusht, seed, actions).astype(int)).max() <= 2
+    assert _pages_by_instance(http) == dict.fromkeys(per_replica, 0)
+
+
+async def test_a_disconnect_frees_its_replicas_pages(app_url):
+    url, http = app_url
+    async with websockets.connect(url, max_size=2**24) as ws:
+        await ws.send(json.dumps({"type": "session.start", "format": "rgb", "num_chunks": None, "seed": 3}))
+        started = json.loads(await ws.recv())
+        assert started["type"] == "session.started" and started["instance"]
+        assert json.loads(await ws.recv())["type"] == "chunk"
+        body = _health(http)
+        for _ in range(50):  # until /healthz answers from the replica that holds the session
+            if body["instance"] == started["instance"]:
+                break
+            body = _health(http)
+        assert body["instance"] == started["instance"] and body["kv_pages_used"]["pusht"] > 0
+    pages = _pages_by_instance(http)
+    assert pages.get(started["instance"]) == 0 and not any(pages.values())
+
+
+async def test_a_full_cluster_queues_then_refuses_as_documented(app_url):
+    """2 replicas whose pools hold 3 `noisy` sessions each (and a queue of 1 each): past 6
+    sessions a new one waits in a replica's queue (session.queued), past 8 it is refused
+    with overloaded and close 1013; a session that ends admits a waiting one."""
+    url, http = app_url
+    holders = [
+        StreamWorldClient(url, seed=i, num_chunks=None, format="jpeg", kv_mode="noisy") for i in range(6)
+    ]
+    waiting: list[tuple[StreamWorldClient, asyncio.Task]] = []
+    refused: list[StreamWorldClient] = []
+    try:
+        for c in holders:
+            await asyncio.wait_for(c.start(), 60)
+        counts = collections.Counter(c.info.instance for c in holders)
+        assert sorted(counts.values()) == [3, 3], counts
+        for seed in range(40, 46):
+            queued: list[int] = []
+            probe = StreamWorldClient(
+                url, seed=seed, num_chunks=1, format="jpeg", kv_mode="noisy", on_queued=queued.append
+            )
+            task = asyncio.create_task(probe.start())
+            for _ in range(100):
+                if queued or task.done():
+                    break
+                await asyncio.sleep(0.1)
+            if queued:
+                assert queued == [1] and not task.done()
+                waiting.append((probe, task))
+                continue
+            assert task.done(), "neither queued, refused nor started within 10 s"
+            with pytest.raises(StreamWorldError) as err:
+                task.result()
+            assert err.value.code == "overloaded" and probe.close_code == 1013
+            refused.append(probe)
+            break
+        assert len(waiting) == 2 and len(refused) == 1  # one waiting per replica, then full
+        # A held session ends: the session waiting on its replica is admitted and completes.
+        gone = holders[0]
+        await gone.close()
+        admitted = await asyncio.wait_for(
+            asyncio.wait([t for _, t in waiting], return_when="FIRST_COMPLETED"), 60
+        )
+        (done_task,) = admitted[0]
+        client = next(c for c, t in waiting if t is done_task)
+        done_task.result()
+        assert client.info.instance == gone.info.instance
+        assert [ch.index async for ch in client.chunks()] == [0]
+    finally:
+        for c, task in waiting:
+            task.cancel()
+            await c.close()
+        for c in holders + refused:
+            await c.close()
+    assert not any(_pages_by_instance(http).values())
+
+
+async def test_a_replica_removed_mid_session_leaves_the_other_replicas_sessions_whole(app_url, pusht):
+    from ray import serve
+
+    url, http = app_url
+    rng = np.random.default_rng(1)
+    plans = {seed: rng.uniform(100, 400, size=(8, 2)) for seed in range(30, 34)}
+    clients = {
+        seed: StreamWorldClient(url, seed=seed, num_chunks=2, format="rgb", action_policy="wait")
+        for seed in plans
+    }
+    for c in clients.values():
+        await asyncio.wait_for(c.start(), 60)
+    instances = {c.info.instance for c in clients.values()}
+    assert len(instances) == 2
+    victim = next(iter(sorted(instances)))
+    replica = next(
+        name
+        for name in (a["name"] for a in ray.util.list_named_actors(all_namespaces=True))
+        if name.startswith(f"SERVE_REPLICA::{APP}#") and name.endswith(victim)
+    )
+    ray.kill(ray.get_actor(replica, namespace="serve"), no_restart=True)
+    for seed, c in clients.items():
+        await c.send_actions(plans[seed], frame=0)
+    survivors = 0
+    for seed, c in clients.items():
+        if c.info.instance == victim:
+            with pytest.raises((StreamWorldError, websockets.ConnectionClosed, ConnectionError)):
+                async for _ in c.chunks():
+                    pass
+            continue
+        frames = np.concatenate([ch.frames async for ch in c.chunks()])
+        assert c.done_reason == "completed"
+        assert np.abs(frames.astype(int) - _expected(pusht, seed, plans[seed]).astype(int)).max() <= 2
+        survivors += 1
+    for c in clients.values():
+        await c.close()
+    assert survivors >= 1
+    # Ray replaces the replica; the application serves again on both.
+    for _ in range(120):
+        if (
+            serve.status().applications[APP].status == "RUNNING"
+            and len(_pages_by_instance(http, tries=20)) == 2
+        ):
+            break
+        time.sleep(0.5)
+    assert serve.status().applications[APP].status == "RUNNING"

@@ -72,8 +72,9 @@ def add_weight_arguments(group: argparse._ActionsContainer) -> None:
     group.add_argument(
         "--steps",
         metavar="T,T,...",
-        help="override the preset's denoising timesteps, from noise down, e.g. 1000,750,500,250 "
-        "(distilled checkpoints are trained for their own; fewer steps trade quality for speed)",
+        help="override the preset's denoising timesteps, from noise down, e.g. 1000,750,500,250; the "
+        "preset's timestep shift still applies to them (Wan: 5). Distilled checkpoints are trained for "
+        "their own (docs/recipes/)",
     )
     _add_runtime_arguments(group)
 

@@ -3,7 +3,8 @@
 `serve`, `generate`, `bench` and `eval` load a `WorldModel` through `load_world_model`
 (where the process does its PyTorch work, with loading errors as one-line usage errors);
 `distill-decoder` loads only its teacher VAE, through `load_teacher_vae`. The preset
-overrides (--frame-size, --window), the weight paths and --threads are read here too.
+overrides (--frame-size, --window, --sink, --chunk, --steps), the weight paths and --threads
+are read here too.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def weight_paths(args: argparse.Namespace) -> WeightPaths:
 
 
 def override_preset(config: ModelConfig, args: argparse.Namespace) -> ModelConfig:
-    """The preset with --frame-size and --window applied."""
+    """The preset with --frame-size, --window, --sink, --chunk, --steps and --default-kv-mode applied."""
     changes: dict = {}
     if args.frame_size is not None:
         h, sep, w = args.frame_size.lower().partition("x")

@@ -126,8 +126,11 @@ def build_result(
     wall_s: float,
     before: dict[str, float],
     after: dict[str, float],
+    per_instance: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The whole run as one JSON-ready dict; `before` and `after` are the server's /metrics."""
+    """The whole run as one JSON-ready dict; `before` and `after` are the server's /metrics.
+    `per_instance`: K/V pages in use after the run per server, where several servers share
+    the address (Ray Serve): /metrics then comes from one of them, so pages are judged here."""
     kinds = {k: [r for r in records if r.kind == k] for k in ("normal", "cancel", "slow")}
     # Slow readers lag by design: the overall and per-priority figures leave them out.
     keeping_up = kinds["normal"] + kinds["cancel"]
@@ -145,12 +148,24 @@ def build_result(
             if any(r.priority == p for r in keeping_up)
         },
         "server": {
-            "kv_pages_used_after": after.get("streamworld_kv_pages_used"),
+            "kv_pages_used_after": (
+                after.get("streamworld_kv_pages_used") if per_instance is None else sum(per_instance.values())
+            ),
+            "instances": None if per_instance is None else _instances(records, per_instance),
             "kv_pages_total": after.get("streamworld_kv_pages_total"),
             "sessions_active_after": after.get("streamworld_sessions_active"),
             "deltas": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SERVER_COUNTERS},
         },
         "sessions": [{**asdict(r), "metrics": session_metrics(r, cfg.playout_buffer_s)} for r in records],
+    }
+
+
+def _instances(records: list[SessionRecord], pages: dict[str, float]) -> dict[str, dict]:
+    """Per server instance: sessions it held and K/V pages it still held after the run."""
+    ids = sorted({r.instance for r in records if r.instance is not None} | set(pages))
+    return {
+        i: {"sessions": sum(1 for r in records if r.instance == i), "kv_pages_used_after": pages.get(i)}
+        for i in ids
     }
 
 
@@ -221,6 +236,12 @@ def format_report(result: dict[str, Any]) -> str:
         f"{d['streamworld_chunk_deadline_miss_total']:.0f}, KV pages in use after the run "
         f"{_f(server['kv_pages_used_after'], '{:.0f}')} of {_f(server['kv_pages_total'], '{:.0f}')}"
     )
+    if server.get("instances"):
+        parts = [
+            f"{i} {v['sessions']} sessions, {_f(v['kv_pages_used_after'], '{:.0f}')} pages after"
+            for i, v in server["instances"].items()
+        ]
+        lines.append(f"servers: {len(parts)} instances: " + "; ".join(parts))
     return "\n".join(lines)
 
 
@@ -230,6 +251,9 @@ def check(result: dict[str, Any]) -> list[str]:
     if result["server"]["kv_pages_used_after"] not in (0, 0.0, None):
         pages = result["server"]["kv_pages_used_after"]
         problems.append(f"{pages:.0f} KV pages still in use after every session ended")
+    silent = [i for i, v in (result["server"].get("instances") or {}).items() if v["kv_pages_used_after"] is None]
+    if silent:
+        problems.append(f"server instances {silent} never reported their K/V pages after the run")
     broken = [s["index"] for s in result["sessions"] if s["protocol_errors"]]
     if broken:
         problems.append(f"sessions {broken[:10]} saw protocol errors")

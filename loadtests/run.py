@@ -63,7 +63,7 @@ from loadtests.report import (
     summarise,
     write_json,
 )
-from loadtests.server_http import fetch_metrics, fetch_model, http_base, wait_pages_free
+from loadtests.server_http import fetch_metrics, fetch_model, http_base, wait_instances_free, wait_pages_free
 from loadtests.viewer import SessionRecord, Viewer
 
 # The load generator's import surface (tests, notebooks): `from loadtests import run` gives
@@ -118,7 +118,10 @@ async def run_load(cfg: LoadConfig, progress: bool = True) -> dict[str, Any]:
         print(file=sys.stderr)
     wall = time.monotonic() - t0
     after = await wait_pages_free(base)
-    return build_result(cfg, model, [v.rec for v in viewers], wall, before, after)
+    records = [v.rec for v in viewers]
+    instances = {r.instance for r in records if r.instance is not None}
+    per_instance = await wait_instances_free(base, instances) if instances else None
+    return build_result(cfg, model, records, wall, before, after, per_instance)
 
 
 async def _progress(viewers: list[Viewer], duration: float, t0: float) -> None:

@@ -65,6 +65,22 @@ async def fetch_model(base: str, model: str | None) -> dict[str, Any]:
     raise ValueError(f"the server does not serve model {model!r} (it serves {served})")
 
 
+async def wait_instances_free(base: str, instances: set[str], timeout_s: float = 15.0) -> dict[str, float]:
+    """K/V pages in use per server instance, where several servers share one address (Ray
+    Serve replicas): /healthz answers from one of them at a time, so it is asked until each
+    of `instances` has answered with none in use (or `timeout_s` passes)."""
+    deadline = time.monotonic() + timeout_s
+    seen: dict[str, float] = {}
+    while True:
+        body = json.loads(await _get(f"{base}/healthz"))
+        if body.get("instance") is not None:
+            seen[body["instance"]] = float(sum(body.get("kv_pages_used", {}).values()))
+        done = instances <= set(seen) and not any(seen[i] for i in instances)
+        if done or time.monotonic() > deadline:
+            return seen
+        await asyncio.sleep(0.1)
+
+
 async def wait_pages_free(base: str, timeout_s: float = 15.0) -> dict[str, float]:
     """Server metrics once no KV page is in use (or after `timeout_s`)."""
     deadline = time.monotonic() + timeout_s

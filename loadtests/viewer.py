@@ -58,6 +58,10 @@ class SessionRecord:
     error_message: str | None = None
     close_code: int | None = None
     protocol_errors: list[str] = field(default_factory=list)
+    # Which server holds the session where several share one address (Ray Serve replicas),
+    # and which engine replica of the model (session.started extensions).
+    instance: str | None = None
+    replica: int | None = None
 
 
 class Viewer:
@@ -175,6 +179,7 @@ class Viewer:
             rec.queued = True
         elif kind == "session.started":
             rec.admitted_s = self.now() - self._sent_at
+            rec.instance, rec.replica = msg.get("instance"), msg.get("replica")
             rec.fps = float(msg.get("fps") or 0) or None
             if self.plan.format == "fmp4":
                 self._pending_meta = {"_init": True}

@@ -230,3 +230,26 @@ async def test_a_replica_removed_mid_session_leaves_the_other_replicas_sessions_
             break
         time.sleep(0.5)
     assert serve.status().applications[APP].status == "RUNNING"
+
+
+async def test_the_load_generator_sees_both_replicas_and_every_page_back(app_url):
+    from loadtests import run
+
+    url, _ = app_url
+    cfg = run.LoadConfig(
+        url=url,
+        duration_s=4.0,
+        sessions=4,
+        cancel_share=0.0,
+        slow_share=0.0,
+        priorities=run.parse_mix("standard:1", run.PRIORITIES, "p"),
+        formats=run.parse_mix("jpeg:1", run.FORMATS, "f"),
+        drain_s=30.0,
+        seed=1,
+    )
+    result = await asyncio.wait_for(run.run_load(cfg, progress=False), 120)
+    instances = result["server"]["instances"]
+    assert len(instances) == 2 and all(v["sessions"] >= 1 for v in instances.values()), instances
+    assert all(v["kv_pages_used_after"] == 0 for v in instances.values())
+    assert result["overall"]["errors"] == {} and run.check(result) == []
+    assert "servers: 2 instances" in run.format_report(result)

@@ -164,3 +164,16 @@ def test_serve_with_a_config_loads_its_models_with_their_settings(tmp_path, monk
         2,
     )
     assert seen["config"].engine.max_streams == 2
+
+
+def test_the_kuberay_manifest_runs_the_app_builder_on_an_example_file():
+    manifest = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService"
+    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    module, _, name = app["import_path"].partition(":")
+    import importlib
+
+    assert callable(getattr(importlib.import_module(module), name))
+    config = app["args"]["config"]
+    assert (ROOT / "deploy" / Path(config).name).is_file()  # the image holds deploy/ at /app/deploy

@@ -71,6 +71,7 @@ def add_weight_arguments(group: argparse._ActionsContainer) -> None:
     group.add_argument("--chunk", type=int, metavar="N", help="override the preset's latent frames per chunk")
     group.add_argument(
         "--steps",
+        dest="timesteps",  # `distill-decoder --steps` counts training steps
         metavar="T,T,...",
         help="override the preset's denoising timesteps, from noise down, e.g. 1000,750,500,250; the "
         "preset's timestep shift still applies to them (Wan: 5). Distilled checkpoints are trained for "

@@ -61,7 +61,7 @@ KEYS = (
     # The limits' dests are `SessionLimits` fields: seconds end in _s.
     *(Key("server.limits", k, k + "_s" if k.endswith("timeout") else k) for k in LIMIT_KEYS),
     *(Key("engine", k, k) for k in ENGINE_KEYS),
-    *(Key("model", k, k) for k in MODEL_KEYS),
+    *(Key("model", k, "timesteps" if k == "steps" else k) for k in MODEL_KEYS),
 )
 
 
@@ -160,7 +160,7 @@ def model_namespace(deploy, index: int) -> argparse.Namespace:
     model = deploy.models[index]
     values = {k.dest: getattr(model, k.key) for k in KEYS if k.section == "model"}
     values["devices"] = ",".join(model.devices) if model.devices else None
-    values["steps"] = list(model.steps) if model.steps else None
+    values["timesteps"] = list(model.steps) if model.steps else None
     values["model"] = model.model
     values.update({k: getattr(deploy.engine, k) for k in ENGINE_KEYS})
     return argparse.Namespace(**values)

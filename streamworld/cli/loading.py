@@ -128,7 +128,7 @@ def _geometry_changes(args: argparse.Namespace) -> dict:
             if value < least:
                 raise UsageError(f"--{flag} must be at least {least}, got {value}")
             changes[name] = value
-    steps = getattr(args, "steps", None)
+    steps = getattr(args, "timesteps", None)  # --steps
     if steps is not None:
         changes["denoising_steps"] = parse_steps(steps)
     if getattr(args, "default_kv_mode", None) is not None:

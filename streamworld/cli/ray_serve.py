@@ -36,11 +36,15 @@ def run(args: argparse.Namespace) -> int:
     deploy = deployment.deploy_config(args, serve._defaults())
     serve.config_of(deploy, devices_here=False)  # the devices are the replicas' to check
     from ..deploy import ray_serve
+    from ..deploy.config import DeployError
 
     try:
         import ray.serve  # noqa: F401
     except ImportError as e:
         raise UsageError(f'Ray Serve is not installed: pip install -e ".[ray]" ({e})') from None
-    ray_serve.deployment_options(deploy)  # checks the ray: section
+    try:
+        ray_serve.deployment_options(deploy)  # checks the ray: section
+    except DeployError as e:
+        raise UsageError(str(e)) from None
     ray_serve.run(deploy)
     return 0

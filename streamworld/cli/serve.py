@@ -188,9 +188,10 @@ def serve_config(args: argparse.Namespace, devices_here: bool = True) -> ServeCo
 
 
 def _defaults() -> argparse.Namespace:
-    from .main import build_parser
-
-    return build_parser().parse_args(["serve"])
+    """Every serve flag at its default."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(parser)
+    return parser.parse_args([])
 
 
 def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:

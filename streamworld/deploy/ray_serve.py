@@ -38,8 +38,7 @@ import logging
 import signal
 from typing import Any
 
-from ..cli.errors import UsageError
-from .config import DeployConfig, RaySection
+from .config import DeployConfig, DeployError, RaySection
 
 log = logging.getLogger("streamworld.ray")
 
@@ -52,7 +51,7 @@ def deployment_options(deploy: DeployConfig) -> dict[str, Any]:
     """The Ray Serve deployment options of a deployment file."""
     ray = deploy.ray or RaySection()
     if ray.min_replicas > ray.max_replicas:
-        raise UsageError(
+        raise DeployError(
             f"ray.min_replicas ({ray.min_replicas}) is above ray.max_replicas ({ray.max_replicas})"
         )
     engine = deploy.engine
@@ -83,7 +82,8 @@ class StreamWorldReplica:
     async def __init__(self, deploy: dict) -> None:
         from ray import serve
 
-        from ..cli import deployment, loading
+        from ..cli.deployment import model_namespace
+        from ..cli.loading import apply_threads
         from ..cli.serve import config_of, load_served_models
         from ..server import StreamWorldServer
 
@@ -92,7 +92,7 @@ class StreamWorldReplica:
         served = config_of(config)  # devices checked here, where Ray placed the replica
         self.instance = serve.get_replica_context().replica_id.unique_id
         server_config = dataclasses.replace(served.server, instance=self.instance)
-        loading.apply_threads(deployment.model_namespace(config, 0))
+        apply_threads(model_namespace(config, 0))
         models = await asyncio.to_thread(load_served_models, config, served.placements)
         self.server = StreamWorldServer(
             models,

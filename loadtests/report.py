@@ -251,7 +251,9 @@ def check(result: dict[str, Any]) -> list[str]:
     if result["server"]["kv_pages_used_after"] not in (0, 0.0, None):
         pages = result["server"]["kv_pages_used_after"]
         problems.append(f"{pages:.0f} KV pages still in use after every session ended")
-    silent = [i for i, v in (result["server"].get("instances") or {}).items() if v["kv_pages_used_after"] is None]
+    silent = [
+        i for i, v in (result["server"].get("instances") or {}).items() if v["kv_pages_used_after"] is None
+    ]
     if silent:
         problems.append(f"server instances {silent} never reported their K/V pages after the run")
     broken = [s["index"] for s in result["sessions"] if s["protocol_errors"]]

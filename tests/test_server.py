@@ -62,20 +62,10 @@ class RunningAsgiServer:
     loopback port; `close` drains first, as `streamworld serve --transport asgi` does."""
 
     def __init__(self, server: StreamWorldServer) -> None:
-        import uvicorn
-
-        from streamworld.server.asgi import _quiet_server, build_asgi_app
+        from streamworld.server.asgi import uvicorn_server
 
         self.server = server
-        config = uvicorn.Config(
-            build_asgi_app(server, manage_lifespan=False),
-            host="127.0.0.1",
-            port=0,
-            log_level="warning",
-            ws_max_size=server.config.max_text_frame,
-            lifespan="off",
-        )
-        self.uvicorn = _quiet_server(config)
+        self.uvicorn = uvicorn_server(server, "127.0.0.1", 0, log_level="warning")
 
     async def start(self) -> RunningAsgiServer:
         await self.server.start()
@@ -692,3 +682,30 @@ async def test_both_transports_send_the_same_bytes(models, fmt):
     assert [type(f) for f in a] == [type(f) for f in b] and len(a) >= 7  # started, 3 x (chunk, payload), done
     assert [_masked(f) for f in a] == [_masked(f) for f in b]
     assert '"timings": {' in a[1 if fmt == "rgb" else 2]  # the masking had something to mask
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_token_and_origin_are_checked_on_both_transports(models, transport):
+    server = StreamWorldServer(models, FAST, ServerConfig(auth_token="s3cret"), default_model="tiny-wan")
+    running = await (
+        RunningAsgiServer(server) if transport == "asgi" else RunningServer(server.build_app())
+    ).start()
+    base, url = f"http://127.0.0.1:{running.port}", f"ws://127.0.0.1:{running.port}/v1/stream"
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/v1/models") as r:
+                assert r.status == 401 and r.headers["WWW-Authenticate"].startswith("Bearer")
+            async with s.get(f"{base}/v1/models?token=s3cret") as r:
+                assert r.status == 200 and r.headers["Server"] == "StreamWorld"
+            async with s.get(f"{base}/healthz") as r:
+                assert r.status == 200  # open, for load balancers
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await websockets.connect(url)
+        assert refused.value.response.status_code == 401
+        with pytest.raises(websockets.InvalidStatus) as foreign:
+            await websockets.connect(f"{url}?token=s3cret", origin="https://elsewhere.example")
+        assert foreign.value.response.status_code == 403
+        frames = await _frames(f"{url}?token=s3cret", "tiny-wan", 1, 1)
+        assert frames.shape[0] == models["tiny-wan"].config.first_chunk_frames
+    finally:
+        await running.close()

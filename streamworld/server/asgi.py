@@ -33,10 +33,8 @@ log = logging.getLogger("streamworld.server")
 def build_asgi_app(server: StreamWorldServer, manage_lifespan: bool = True):
     """A FastAPI application serving `server`. `manage_lifespan`: start and stop the engines
     with the application (False: the caller does, as the Ray Serve deployment)."""
-    from fastapi import FastAPI, Request, WebSocket
-    from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
-    from fastapi.staticfiles import StaticFiles
-    from prometheus_client import CONTENT_TYPE_LATEST
+    from fastapi import FastAPI, Request
+    from fastapi.responses import PlainTextResponse
 
     @contextlib.asynccontextmanager
     async def lifespan(app) -> AsyncIterator[None]:
@@ -55,13 +53,27 @@ def build_asgi_app(server: StreamWorldServer, manage_lifespan: bool = True):
             bearer_token(request.headers, request.query_params)
         ):
             return PlainTextResponse(
-                "401: this server needs a token (Authorization: Bearer, or ?token=)\n",
+                UNAUTHORIZED,
                 status_code=401,
                 headers={"WWW-Authenticate": 'Bearer realm="streamworld"', "Server": SERVER_NAME},
             )
         response = await call_next(request)
         response.headers["Server"] = SERVER_NAME
         return response
+
+    _add_http_routes(app, server)
+    _add_stream_route(app, server)
+    return app
+
+
+UNAUTHORIZED = "401: this server needs a token (Authorization: Bearer, or ?token=)\n"
+
+
+def _add_http_routes(app, server: StreamWorldServer) -> None:
+    """/healthz, /metrics, /v1/models, the demo page and its files."""
+    from fastapi.responses import FileResponse, HTMLResponse, Response
+    from fastapi.staticfiles import StaticFiles
+    from prometheus_client import CONTENT_TYPE_LATEST
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -88,10 +100,15 @@ def build_asgi_app(server: StreamWorldServer, manage_lifespan: bool = True):
     if WEB_ROOT.is_dir():
         app.mount("/web", StaticFiles(directory=WEB_ROOT), name="web")
 
+
+def _add_stream_route(app, server: StreamWorldServer) -> None:
+    """/v1/stream: the checks before the upgrade, then one session."""
+    from fastapi import WebSocket
+
     @app.websocket("/v1/stream")
     async def stream(websocket: WebSocket) -> None:
         if not server.token_ok(bearer_token(websocket.headers, websocket.query_params)):
-            refusal = (401, "401: this server needs a token (Authorization: Bearer, or ?token=)\n")
+            refusal = (401, UNAUTHORIZED)
         else:
             refusal = server.upgrade_refusal(
                 websocket.headers.get("origin"), websocket.headers.get("host", "")
@@ -105,8 +122,6 @@ def build_asgi_app(server: StreamWorldServer, manage_lifespan: bool = True):
             await server.run_session(AsgiSocket(websocket))
         finally:
             server.connections -= 1
-
-    return app
 
 
 async def _deny(websocket, status: int, text: str) -> None:
@@ -134,20 +149,7 @@ async def serve_asgi(
     """Runs `server` under uvicorn until `stop` is set, then drains while the port still
     listens (as `streamworld serve` does over aiohttp) before uvicorn closes it. Returns the
     port it served on, or None if uvicorn could not listen."""
-    import uvicorn
-
-    config = uvicorn.Config(
-        build_asgi_app(server, manage_lifespan=False),
-        host=host,
-        port=port,
-        log_level=log_level,
-        ws_max_size=server.config.max_text_frame,
-        ws_ping_interval=30.0,
-        ws_per_message_deflate=False,
-        lifespan="off",
-        server_header=False,
-    )
-    runner = _quiet_server(config)
+    runner = uvicorn_server(server, host, port, log_level)
     await server.start()
     task = asyncio.create_task(runner.serve())
     try:
@@ -166,6 +168,26 @@ async def serve_asgi(
         with contextlib.suppress(BaseException):
             await task
         await server.close()
+
+
+def uvicorn_server(server: StreamWorldServer, host: str, port: int, log_level: str = "info"):
+    """A uvicorn server for `server`'s application, set as `streamworld serve` sets aiohttp:
+    the text frame bound, a 30 s ping, no compression, only StreamWorld's Server header. The
+    caller starts and stops the engines (and drains) around it."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        build_asgi_app(server, manage_lifespan=False),
+        host=host,
+        port=port,
+        log_level=log_level,
+        ws_max_size=server.config.max_text_frame,
+        ws_ping_interval=30.0,
+        ws_per_message_deflate=False,
+        lifespan="off",
+        server_header=False,
+    )
+    return _quiet_server(config)
 
 
 def _quiet_server(config):

@@ -59,8 +59,8 @@ def _metric(base: str, name: str, model: str = "pusht") -> float:
     return float(match.group(1)) if match else 0.0
 
 
-@pytest.fixture(scope="module")
-def server():
+def _serve(*extra: str):
+    """`streamworld serve` in a subprocess on a free port; yields its base URL."""
     port = _free_port()
     proc = subprocess.Popen(
         [
@@ -78,6 +78,7 @@ def server():
             # where spinning OpenMP threads lose whole time slices (docs/benchmarks.md).
             "--threads",
             "1",
+            *extra,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -97,6 +98,21 @@ def server():
     yield base
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serve()
+
+
+@pytest.fixture(scope="module")
+def asgi_server():
+    """The same server as an ASGI application under uvicorn (`--transport asgi`)."""
+    yield from _serve("--transport", "asgi")
+
+
+# The demo's main paths also run against the ASGI transport (protocol v1 is the same).
+BOTH = pytest.mark.parametrize("transport", ["server", "asgi_server"])
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +164,10 @@ def test_page_loads_without_console_errors_and_lists_the_models(server, page):
     assert page.console_errors == []
 
 
+@BOTH
 @pytest.mark.parametrize("fmt", ["jpeg", "h264"])
-def test_autostart_plays_changing_frames_at_the_stream_rate(server, page, fmt):
+def test_autostart_plays_changing_frames_at_the_stream_rate(request, transport, page, fmt):
+    server = request.getfixturevalue(transport)
     page.goto(f"{server}/?autostart=1&format={fmt}&seed=3")
     _wait_frames(page, 4)
     stats = _stats(page)
@@ -163,7 +181,9 @@ def test_autostart_plays_changing_frames_at_the_stream_rate(server, page, fmt):
     assert page.console_errors == []
 
 
-def test_start_button_key_presses_reach_the_server_and_stop_frees_the_kv_cache(server, page):
+@BOTH
+def test_start_button_key_presses_reach_the_server_and_stop_frees_the_kv_cache(request, transport, page):
+    server = request.getfixturevalue(transport)
     page.goto(f"{server}/?format=jpeg&seed=5")
     page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
     page.click("#start")

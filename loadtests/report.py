@@ -154,7 +154,12 @@ def build_result(
             "instances": None if per_instance is None else _instances(records, per_instance),
             "kv_pages_total": after.get("streamworld_kv_pages_total"),
             "sessions_active_after": after.get("streamworld_sessions_active"),
-            "deltas": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SERVER_COUNTERS},
+            # Behind several servers /metrics answers from one of them: no sum of counters.
+            "deltas": (
+                None
+                if per_instance is not None
+                else {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SERVER_COUNTERS}
+            ),
         },
         "sessions": [{**asdict(r), "metrics": session_metrics(r, cfg.playout_buffer_s)} for r in records],
     }
@@ -231,11 +236,14 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append("  ".join([*cells, row[-1]]))
     server = result["server"]
     d = server["deltas"]
-    lines.append(
-        f"server: frames generated {d['streamworld_frames_generated_total']:.0f}, deadline misses "
-        f"{d['streamworld_chunk_deadline_miss_total']:.0f}, KV pages in use after the run "
-        f"{_f(server['kv_pages_used_after'], '{:.0f}')} of {_f(server['kv_pages_total'], '{:.0f}')}"
-    )
+    if d is None:
+        lines.append("server: several instances behind one address; /metrics counters are per instance")
+    else:
+        lines.append(
+            f"server: frames generated {d['streamworld_frames_generated_total']:.0f}, deadline misses "
+            f"{d['streamworld_chunk_deadline_miss_total']:.0f}, KV pages in use after the run "
+            f"{_f(server['kv_pages_used_after'], '{:.0f}')} of {_f(server['kv_pages_total'], '{:.0f}')}"
+        )
     if server.get("instances"):
         parts = [
             f"{i} {v['sessions']} sessions, {_f(v['kv_pages_used_after'], '{:.0f}')} pages after"

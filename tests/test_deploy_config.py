@@ -54,7 +54,7 @@ def test_the_token_is_not_printed(tmp_path, capsys):
     path.write_text("server: {auth_token: s3cret}\nmodels: [{model: pusht}]\n")
     assert main(["config", "--print", "--config", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "s3cret" not in out and "auth_token: <set>" in out
+    assert "s3cret" not in out and "auth_token: null" in out and "not shown" in out
     assert _config(["--config", str(path)]).server.auth_token == "s3cret"
 
 
@@ -77,14 +77,14 @@ def test_the_token_is_not_printed(tmp_path, capsys):
             "engine: {token_budget: lots}\nmodels: [{model: pusht}]\n",
             "engine.token_budget: must be a valid integer",
         ),
-        ("models: []\n", "models: "),
+        ("models: []\n", "models: list should have at least 1 item"),
         ("server: {}\n", "models: required"),
         ("models: [{model: pusht, frame_size: 64by64}]\n", "models[0].frame_size: must match pattern"),
         ("models: [pusht]\n", "models[0]: expected a mapping"),
         ("- a list\n", "expected a mapping with server, engine, models, ray"),
         ("models: [{model: pusht\n", "not valid YAML"),
         ("models: [{model: nosuch}]\n", "unknown model 'nosuch'"),
-        ("models: [{model: pusht, placement: 0-2@cpu}]\n", "pusht: "),
+        ("models: [{model: pusht, placement: 0-2@cpu}]\n", "pusht: --placement leaves blocks 3-5 unplaced"),
         ("models: [{model: pusht, steps: [250, 500]}]\n", "--steps must decrease"),
     ],
 )
@@ -177,3 +177,41 @@ def test_the_kuberay_manifest_runs_the_app_builder_on_an_example_file():
     assert callable(getattr(importlib.import_module(module), name))
     config = app["args"]["config"]
     assert (ROOT / "deploy" / Path(config).name).is_file()  # the image holds deploy/ at /app/deploy
+
+
+def test_abbreviated_flags_are_refused_rather_than_dropped(tmp_path, capsys):
+    """With a file, only flags given by their full name are found as overrides: an
+    abbreviation would otherwise parse and then be lost, so it is refused."""
+    path = tmp_path / "d.yaml"
+    path.write_text("models: [{model: pusht}]\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--config", str(path), "--max-sess", "4"])
+    assert exc.value.code == 2 and "--max-sess" in capsys.readouterr().err
+
+
+def test_flag_errors_name_the_flag_and_a_token_is_never_echoed(tmp_path, capsys):
+    assert main(["config", "--steps", "1000,x"]) == 2
+    assert capsys.readouterr().err.startswith("streamworld config: error: --steps:")
+    path = tmp_path / "d.yaml"
+    path.write_text("server: {auth_token: 123456789}\nmodels: [{model: pusht}]\n")
+    assert main(["config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "server.auth_token" in err and "123456789" not in err
+
+
+def test_values_the_flags_took_still_load(tmp_path):
+    path = tmp_path / "d.yaml"
+    path.write_text("models: [{model: tiny-wan, dtype: float16, frame_size: 48X64}]\n")
+    model = load(path).models[0]
+    assert (model.dtype, model.frame_size) == ("float16", "48x64")
+
+
+def test_every_models_weights_are_checked_before_any_loads(tmp_path, capsys, monkeypatch):
+    from streamworld.cli import serve
+
+    monkeypatch.setattr(serve, "load_served_models", lambda *a: pytest.fail("models loaded"))
+    path = tmp_path / "d.yaml"
+    path.write_text("models: [{model: pusht}, {model: tiny-wan, dit: nowhere.pt}]\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "tiny-wan (models[1])" in err and "nowhere.pt does not exist" in err

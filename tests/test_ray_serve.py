@@ -130,57 +130,60 @@ async def test_a_disconnect_frees_its_replicas_pages(app_url):
 
 
 async def test_a_full_cluster_queues_then_refuses_as_documented(app_url):
-    """2 replicas whose pools hold 3 `noisy` sessions each (and a queue of 1 each): past 6
-    sessions a new one waits in a replica's queue (session.queued), past 8 it is refused
-    with overloaded and close 1013; a session that ends admits a waiting one."""
+    """2 replicas whose pools hold 3 `noisy` sessions each, with a queue of 1 each: sessions
+    opened one by one start until the pools are full, then wait in a replica's queue
+    (session.queued), then are refused with overloaded and close 1013; once the running
+    sessions end, every waiting one is admitted and completes. (Which replica takes each is
+    Ray's router's choice, so the test does not assume an even split.)"""
     url, http = app_url
-    holders = [
-        StreamWorldClient(url, seed=i, num_chunks=None, format="jpeg", kv_mode="noisy") for i in range(6)
-    ]
+    started: list[StreamWorldClient] = []
     waiting: list[tuple[StreamWorldClient, asyncio.Task]] = []
     refused: list[StreamWorldClient] = []
     try:
-        for c in holders:
-            await asyncio.wait_for(c.start(), 60)
-        counts = collections.Counter(c.info.instance for c in holders)
-        assert sorted(counts.values()) == [3, 3], counts
-        for seed in range(40, 46):
+        for seed in range(40, 52):
             queued: list[int] = []
-            probe = StreamWorldClient(
-                url, seed=seed, num_chunks=1, format="jpeg", kv_mode="noisy", on_queued=queued.append
+            client = StreamWorldClient(
+                url,
+                seed=seed,
+                num_chunks=None,
+                format="jpeg",
+                kv_mode="noisy",
+                on_queued=queued.append,
             )
-            task = asyncio.create_task(probe.start())
-            for _ in range(100):
+            task = asyncio.create_task(client.start())
+            for _ in range(150):
                 if queued or task.done():
                     break
                 await asyncio.sleep(0.1)
-            if queued:
-                assert queued == [1] and not task.done()
-                waiting.append((probe, task))
+            if queued and not task.done():
+                assert queued == [1]
+                waiting.append((client, task))
                 continue
-            assert task.done(), "neither queued, refused nor started within 10 s"
-            with pytest.raises(StreamWorldError) as err:
-                task.result()
-            assert err.value.code == "overloaded" and probe.close_code == 1013
-            refused.append(probe)
+            assert task.done(), "neither started, queued nor refused within 15 s"
+            if task.exception() is None:
+                assert not waiting, "a session started while another waited: a replica had room"
+                started.append(client)
+                continue
+            err = task.exception()
+            assert (
+                isinstance(err, StreamWorldError) and err.code == "overloaded" and client.close_code == 1013
+            )
+            refused.append(client)
             break
-        assert len(waiting) == 2 and len(refused) == 1  # one waiting per replica, then full
-        # A held session ends: the session waiting on its replica is admitted and completes.
-        gone = holders[0]
-        await gone.close()
-        admitted = await asyncio.wait_for(
-            asyncio.wait([t for _, t in waiting], return_when="FIRST_COMPLETED"), 60
-        )
-        (done_task,) = admitted[0]
-        client = next(c for c, t in waiting if t is done_task)
-        done_task.result()
-        assert client.info.instance == gone.info.instance
-        assert [ch.index async for ch in client.chunks()] == [0]
+        assert len(started) <= 6 and 1 <= len(waiting) <= 2 and len(refused) == 1
+        assert {c.info.instance for c in started} and len({c.info.instance for c in started}) == 2
+        # The running sessions end: every waiting session is admitted and completes.
+        for c in started:
+            await c.close()
+        for c, task in waiting:
+            await asyncio.wait_for(task, 60)
+            first = await asyncio.wait_for(anext(aiter(c.chunks())), 60)
+            assert first.index == 0
     finally:
         for c, task in waiting:
             task.cancel()
             await c.close()
-        for c in holders + refused:
+        for c in started + refused:
             await c.close()
     assert not any(_pages_by_instance(http).values())
 

@@ -17,6 +17,8 @@ from . import serve
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "config",
+        # Flags are matched whole: a deployment file's overrides are found by name.
+        allow_abbrev=False,
         help="check a deployment file (with flags applied) and print the effective configuration",
         description=(
             "Validates what `streamworld serve` would run with the same arguments (--config FILE and "

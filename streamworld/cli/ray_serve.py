@@ -17,6 +17,8 @@ from .errors import UsageError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "ray-serve",
+        # Flags are matched whole: a deployment file's overrides are found by name.
+        allow_abbrev=False,
         help='run replicas of the server on Ray Serve (pip install -e ".[ray]")',
         description=(
             "Serve the deployment file's models as Ray Serve replicas behind one port: each replica is a "

@@ -114,6 +114,8 @@ def _add_access_arguments(parser: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
+        # Flags are matched whole: a deployment file's overrides are found by name.
+        allow_abbrev=False,
         help="run the WebSocket streaming server",
         description=(
             "Serve one or more models on one port: the browser demo at /, /healthz, /metrics, /v1/models "
@@ -205,10 +207,17 @@ def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:
         raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
     if len(set(model_ids)) != len(model_ids):
         raise UsageError("each model may be served once")
+    if deploy.server.transport == "asgi":
+        _check_asgi_installed()
     placements = {}
     for i, mid in enumerate(model_ids):
         ns = deployment.model_namespace(deploy, i)
         arguments.check_engine_arguments(ns)
+        if devices_here:  # every model's files, before the first loads (a Wan DiT takes minutes)
+            try:
+                loading.check_weight_paths(ns)
+            except UsageError as e:
+                raise UsageError(f"{mid} (models[{i}]): {e}") from None
         try:
             loading.override_preset(PRESETS[mid], ns)  # the geometry, checked before anything loads
         except UsageError as e:
@@ -237,6 +246,14 @@ def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:
     )
 
 
+def _check_asgi_installed() -> None:
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f'--transport asgi needs {" and ".join(missing)}: pip install -e ".[asgi]"')
+
+
 def load_served_models(deploy: DeployConfig, placements: dict[str, Placement]) -> dict[str, list[WorldModel]]:
     """Each model of the deployment with its own weights and settings, one per replica of
     its placement (replicas on one device share it)."""
@@ -249,7 +266,6 @@ def load_served_models(deploy: DeployConfig, placements: dict[str, Placement]) -
     models = {}
     for i, spec in enumerate(deploy.models):
         ns = deployment.model_namespace(deploy, i)
-        loading.check_weight_paths(ns)
         config = loading.override_preset(PRESETS[spec.model], ns)
         options = loading.LoadOptions.from_args(ns)
         if config.pixel_space:
@@ -350,12 +366,8 @@ async def _serve_aiohttp(server: StreamWorldServer, config: ServeConfig, stop) -
 
 
 async def _serve_asgi(server: StreamWorldServer, config: ServeConfig, stop) -> None:
-    try:
-        from ..server.asgi import serve_asgi
-    except ImportError as e:
-        raise UsageError(
-            f'--transport asgi needs FastAPI and uvicorn: pip install -e ".[asgi]" ({e})'
-        ) from None
+    from ..server.asgi import serve_asgi
+
     port = await serve_asgi(
         server,
         config.host,

@@ -16,6 +16,7 @@ relative paths are relative to the file's folder. docs/deploy.md has the referen
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,7 +77,7 @@ class ModelSection(_Section):
     random_weights: bool = False
     compile: bool = False
     device: str = "auto"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Geometry (None: the preset's).
     frame_size: str | None = Field(None, pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")
     window: int | None = Field(None, ge=1)
@@ -89,6 +90,11 @@ class ModelSection(_Section):
     placement: str | None = None
     stages: int | None = Field(None, ge=1)
     ranks: int = Field(1, ge=1)
+
+    @field_validator("frame_size", mode="before")
+    @classmethod
+    def _lower_frame_size(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @field_validator("devices", mode="before")
     @classmethod
@@ -129,9 +135,11 @@ class DeployConfig(_Section):
         import yaml
 
         data = self.model_dump(mode="json")
+        note = ""
         if redact and data["server"].get("auth_token"):
-            data["server"]["auth_token"] = "<set>"
-        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+            data["server"]["auth_token"] = None
+            note = "# server.auth_token is set; not shown (give it with STREAMWORLD_AUTH_TOKEN)\n"
+        return note + yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -181,7 +189,9 @@ def _describe(e: ValidationError, source: str, flags: dict[str, str]) -> str:
     error = e.errors()[0]
     loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
     key = ".".join(str(p) for p in error["loc"] if not isinstance(p, int))
-    where = next((flags[k] for k in (loc, key) if k in flags), None)
+    # An element of a list (steps[1]) was set by the list's flag.
+    trimmed = re.sub(r"(\[\d+\])+$", "", loc)
+    where = next((flags[k] for k in (loc, trimmed, key) if k in flags), None)
     if error["type"] == "extra_forbidden":
         parent = _section_of(error["loc"])
         known = ", ".join(parent.model_fields) if parent is not None else ""
@@ -192,7 +202,8 @@ def _describe(e: ValidationError, source: str, flags: dict[str, str]) -> str:
     for theirs, ours in _WORDING:
         message = message.replace(theirs, ours)
     given = error.get("input")
-    shown = "" if isinstance(given, (dict, list)) else f", got {given!r}"
+    secret = "auth_token" in key  # never echoed, even when it is not a string
+    shown = "" if secret or isinstance(given, (dict, list)) else f", got {given!r}"
     return f"{where or source + ': ' + loc}: {message[0].lower()}{message[1:]}{shown}"
 
 

@@ -123,19 +123,26 @@ async def _export_metrics(server) -> None:
 
     gauges: dict[str, Any] = {}
     while True:
-        for family in server.metrics.registry.collect():
-            if family.type not in ("gauge", "counter"):
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                keys = tuple(sorted(sample.labels))
-                gauge = gauges.get(sample.name)
-                if gauge is None:
-                    gauge = ray_metrics.Gauge(sample.name, description=family.documentation, tag_keys=keys)
-                    gauges[sample.name] = gauge
-                gauge.set(sample.value, tags=dict(sample.labels))
+        try:
+            _export_once(server, gauges, ray_metrics)
+        except Exception:  # a metric Ray refuses must not stop the others for good
+            log.warning("exporting metrics to Ray failed", exc_info=True)
         await asyncio.sleep(METRICS_PERIOD_S)
+
+
+def _export_once(server, gauges: dict[str, Any], ray_metrics) -> None:
+    for family in server.metrics.registry.collect():
+        if family.type not in ("gauge", "counter"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            gauge = gauges.get(sample.name)
+            if gauge is None:
+                keys = tuple(sorted(sample.labels))
+                gauge = ray_metrics.Gauge(sample.name, description=family.documentation, tag_keys=keys)
+                gauges[sample.name] = gauge
+            gauge.set(sample.value, tags=dict(sample.labels))
 
 
 def application(deploy: DeployConfig):
@@ -143,7 +150,19 @@ def application(deploy: DeployConfig):
     from ray import serve
 
     cls = serve.ingress()(StreamWorldReplica)
-    return serve.deployment(cls, **deployment_options(deploy)).bind(deploy.model_dump(mode="json"))
+    return serve.deployment(cls, **deployment_options(deploy)).bind(_for_replicas(deploy))
+
+
+def _for_replicas(deploy: DeployConfig) -> dict:
+    """The configuration each replica gets. The token from this process's environment goes
+    with it: replicas on other nodes do not see STREAMWORLD_AUTH_TOKEN here."""
+    import os
+
+    data = deploy.model_dump(mode="json")
+    token = os.environ.get("STREAMWORLD_AUTH_TOKEN")
+    if data["server"]["auth_token"] is None and token:
+        data["server"]["auth_token"] = token
+    return data
 
 
 def app_builder(args: dict[str, str]):

@@ -58,6 +58,8 @@ class StageLink:
             end.record()
         for t in tensors:  # the sender's memory is not reused before the copy has read it
             t.record_stream(self.stream)
+        for t in out:  # nor the copies' (made on the receiving GPU) before the copy has written them
+            t.record_stream(self.stream)
         with self._lock:
             self.bytes += moved
             self._pending.append((begin, end))

@@ -25,7 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from .app import SERVER_NAME, TOKEN_PATHS, WEB_ROOT, StreamWorldServer, bearer_token
-from .sockets import AsgiSocket
+from .sockets import AsgiSocket, client_gone_errors
 
 log = logging.getLogger("streamworld.server")
 
@@ -49,7 +49,7 @@ def build_asgi_app(server: StreamWorldServer, manage_lifespan: bool = True):
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
-        if request.url.path in TOKEN_PATHS and not server.token_ok(
+        if _route_path(request.scope) in TOKEN_PATHS and not server.token_ok(
             bearer_token(request.headers, request.query_params)
         ):
             return PlainTextResponse(
@@ -118,7 +118,11 @@ def _add_stream_route(app, server: StreamWorldServer) -> None:
             return
         server.connections += 1
         try:
-            await websocket.accept()
+            try:
+                await websocket.accept()
+            except client_gone_errors() as e:  # the client left before the handshake ended
+                log.info("WebSocket closed before it was accepted (%s)", type(e).__name__)
+                return
             await server.run_session(AsgiSocket(websocket))
         finally:
             server.connections -= 1
@@ -130,9 +134,10 @@ async def _deny(websocket, status: int, text: str) -> None:
 
     extensions = websocket.scope.get("extensions") or {}
     if "websocket.http.response" in extensions:
-        await websocket.send_denial_response(
-            PlainTextResponse(text, status_code=status, headers={"Server": SERVER_NAME})
-        )
+        headers = {"Server": SERVER_NAME}
+        if status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="streamworld"'
+        await websocket.send_denial_response(PlainTextResponse(text, status_code=status, headers=headers))
     else:
         await websocket.close(code=1008)
 
@@ -151,7 +156,7 @@ async def serve_asgi(
     port it served on, or None if uvicorn could not listen."""
     runner = uvicorn_server(server, host, port, log_level)
     await server.start()
-    task = asyncio.create_task(runner.serve())
+    task = asyncio.create_task(_serve_quietly(runner))
     try:
         while not runner.started:
             if task.done():  # uvicorn logs why (the port is taken) and returns
@@ -170,6 +175,13 @@ async def serve_asgi(
         await server.close()
 
 
+async def _serve_quietly(runner) -> None:
+    """uvicorn exits the process (`SystemExit`) when it cannot listen; here that ends only
+    its task, and `serve_asgi` reports it."""
+    with contextlib.suppress(SystemExit):
+        await runner.serve()
+
+
 def uvicorn_server(server: StreamWorldServer, host: str, port: int, log_level: str = "info"):
     """A uvicorn server for `server`'s application, set as `streamworld serve` sets aiohttp:
     the text frame bound, a 30 s ping, no compression, only StreamWorld's Server header. The
@@ -183,6 +195,7 @@ def uvicorn_server(server: StreamWorldServer, host: str, port: int, log_level: s
         log_level=log_level,
         ws_max_size=server.config.max_text_frame,
         ws_ping_interval=30.0,
+        ws_ping_timeout=20.0,  # a client that reads nothing is dropped
         ws_per_message_deflate=False,
         lifespan="off",
         server_header=False,
@@ -203,6 +216,13 @@ def _quiet_server(config):
             pass
 
     return Server(config)
+
+
+def _route_path(scope: dict) -> str:
+    """The request's path inside the application (without a mount prefix such as a Ray
+    Serve `route_prefix`), which is what the token's paths name."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _json(body: dict, status: int = 200):

@@ -101,14 +101,16 @@ class AiohttpSocket:
 
 
 class AsgiSocket:
-    """Starlette's WebSocket, accepted. An ASGI application cannot reach the TCP connection,
-    so `abort` cancels the sends in flight and marks the socket closed; the server (uvicorn,
-    Ray Serve's proxy) drops the connection when the handler returns."""
+    """Starlette's WebSocket, accepted. An ASGI application cannot reach the TCP connection:
+    `abort` cancels the sends in flight, wakes a pending receive and marks the socket closed;
+    the server (uvicorn, Ray Serve's proxy) closes the connection when the handler returns,
+    and a client that reads nothing is dropped by its ping timeout."""
 
     def __init__(self, ws: Any) -> None:
         self.ws = ws
         self._closed = False
-        self._sends: set[asyncio.Task] = set()
+        self._aborted = asyncio.Event()
+        self._sends: set[asyncio.Future] = set()
 
     @property
     def closed(self) -> bool:
@@ -123,28 +125,43 @@ class AsgiSocket:
     async def _send(self, message: dict) -> None:
         if self._closed:
             raise ConnectionError("the WebSocket is closed")
-        task = asyncio.current_task()
-        self._sends.add(task)
+        # The send runs as its own task, so that `abort` cancels only the send, never the
+        # task that asked for it.
+        send = asyncio.ensure_future(self.ws.send(message))
+        self._sends.add(send)
         try:
-            await self.ws.send(message)
+            await send
         except asyncio.CancelledError:
-            if self._closed:  # aborted: the client is gone, not this task cancelled
+            if send.cancelled() and self._aborted.is_set():
                 raise ConnectionError("the WebSocket was aborted") from None
+            send.cancel()
             raise
-        except Exception as e:  # WebSocketDisconnect, a closed transport, a send after close
+        except client_gone_errors() as e:  # disconnected, a closed transport, a send after the close
             self._closed = True
             raise ConnectionError(f"the client went away ({type(e).__name__})") from None
         finally:
-            self._sends.discard(task)
+            self._sends.discard(send)
 
     async def receive(self, timeout: float | None = None) -> Incoming:
         if self._closed:
             return CLOSED
+        receive = asyncio.ensure_future(self.ws.receive())
+        aborted = asyncio.ensure_future(self._aborted.wait())
         try:
-            msg = await asyncio.wait_for(self.ws.receive(), timeout)
-        except TimeoutError:
-            raise
-        except Exception:  # the connection broke under the receive
+            done, _ = await asyncio.wait(
+                {receive, aborted}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            aborted.cancel()
+        if not done:
+            receive.cancel()
+            raise TimeoutError
+        if receive not in done:  # aborted
+            receive.cancel()
+            return CLOSED
+        try:
+            msg = receive.result()
+        except client_gone_errors():  # the connection broke under the receive
             self._closed = True
             return CLOSED
         if msg["type"] != "websocket.receive":  # websocket.disconnect
@@ -158,10 +175,18 @@ class AsgiSocket:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(*client_gone_errors()):
             await self.ws.close(code=code, reason=reason.decode("utf-8", "replace"))
 
     def abort(self) -> None:
         self._closed = True
-        for task in list(self._sends):
-            task.cancel()
+        self._aborted.set()
+        for send in list(self._sends):
+            send.cancel()
+
+
+def client_gone_errors() -> tuple[type[BaseException], ...]:
+    """What Starlette and the ASGI server raise once the client has gone."""
+    from starlette.websockets import WebSocketDisconnect
+
+    return (WebSocketDisconnect, OSError, RuntimeError)

@@ -5,6 +5,7 @@ Run on a CUDA machine with `python -m pytest -m gpu -s` (not part of CI, which h
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -21,6 +22,16 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m gpu on one)"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _give_cached_memory_back():
+    """After each test, the allocator's cached blocks go back to the GPU. Engines size their
+    K/V pool from the free memory (`kv_memory_fraction`); without this, blocks cached by
+    earlier tests (about 40 GiB once) left a later engine's decoder out of memory."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

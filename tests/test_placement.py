@@ -111,3 +111,31 @@ def test_a_stage_link_copies_only_between_devices_and_counts_what_it_moved():
         ("cpu", "cpu", False),
         ("cpu", "meta", True),
     ]
+
+
+def test_the_multi_gpu_study_script_runs_its_pipeline_part_dry(tmp_path):
+    """benchmarks/multi_gpu.py waits for a host with several GPUs; its dry run (every GPU on
+    one device, here the CPU, with the small test model) checks its plumbing meanwhile."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [
+        sys.executable,
+        "benchmarks/multi_gpu.py",
+        "--out",
+        str(tmp_path),
+        "--dry-run",
+        "--model",
+        "tiny-wan",
+    ]
+    cmd += ["--gpus", "2", "--duration", "1", "--only", "pipelines"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads((tmp_path / "summary.json").read_text())["pipeline_480x832_one_stream"]
+    assert set(runs) == {"lite-1gpu", "lite-2gpu", "wan-1gpu", "wan-2gpu"}
+    for name, run in runs.items():
+        assert "error" not in run and run["fps"] > 0, (name, run)
+    assert "--placement" in runs["wan-2gpu"]["command"] and "--placement" not in runs["wan-1gpu"]["command"]

@@ -81,14 +81,13 @@ def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return set(vars(known))
 
 
-def deploy_config(args: argparse.Namespace, defaults: argparse.Namespace | None = None):
+def deploy_config(args: argparse.Namespace):
     """The effective `DeployConfig` of the flags and `--config`; a `UsageError` names the
-    key or flag at fault."""
+    key or flag at fault. Over a file, the flags in `args.given` (set by `main`) override
+    it; arguments parsed elsewhere without `given` leave the file as it is."""
     from ..deploy.config import DeployError, read_file, validate
 
-    given = getattr(args, "given", None)
-    if given is None:  # parsed without `main` (tests): what differs from the defaults
-        given = {k for k, v in vars(args).items() if defaults is None or getattr(defaults, k, None) != v}
+    given = getattr(args, "given", set())
     try:
         if args.config:
             data, source = read_file(args.config), args.config
@@ -114,16 +113,10 @@ def _pick_models(data: dict, wanted: list[str] | None, source: str) -> None:
 
 
 def _flag_models(args: argparse.Namespace) -> list[dict]:
-    from ..models import PRESETS
+    """--model (default pusht); serve.config_of checks the ids, from flags or a file."""
     from .arguments import DEFAULT_MODEL
 
-    ids = args.models or [DEFAULT_MODEL]
-    unknown = [m for m in ids if m not in PRESETS]
-    if unknown:
-        raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
-    if len(set(ids)) != len(ids):
-        raise UsageError("each --model may be given once")
-    return [{"model": m} for m in ids]
+    return [{"model": m} for m in args.models or [DEFAULT_MODEL]]
 
 
 def _apply_flags(data: dict, args: argparse.Namespace, given: set[str]) -> dict[str, str]:

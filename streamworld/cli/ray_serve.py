@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    deploy = deployment.deploy_config(args, serve._defaults())
+    deploy = deployment.deploy_config(args)
     serve.config_of(deploy, devices_here=False)  # the devices are the replicas' to check
     from ..deploy import ray_serve
     from ..deploy.config import DeployError

@@ -186,14 +186,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_config(args: argparse.Namespace, devices_here: bool = True) -> ServeConfig:
     """The checked configuration of the flags and `--config`; a usage error names the first
     bad key or flag. `devices_here`: also check that this machine has the devices."""
-    return config_of(deployment.deploy_config(args, _defaults()), devices_here)
-
-
-def _defaults() -> argparse.Namespace:
-    """Every serve flag at its default."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_serve_arguments(parser)
-    return parser.parse_args([])
+    return config_of(deployment.deploy_config(args), devices_here)
 
 
 def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:
@@ -206,7 +199,7 @@ def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:
     if unknown:
         raise UsageError(f"unknown model {unknown[0]!r}; known models: {', '.join(sorted(PRESETS))}")
     if len(set(model_ids)) != len(model_ids):
-        raise UsageError("each model may be served once")
+        raise UsageError("each model may be served once (a --model or models[] entry named twice)")
     if deploy.server.transport == "asgi":
         _check_asgi_installed()
     placements = {}

@@ -58,29 +58,29 @@ class RunningServer:
 
 
 class RunningAsgiServer:
-    """The same server as an ASGI application under uvicorn (server/asgi.py), on a free
-    loopback port; `close` drains first, as `streamworld serve --transport asgi` does."""
+    """The same server as an ASGI application under uvicorn, run by `serve_asgi` as
+    `streamworld serve --transport asgi` runs it, on a free loopback port; `close` stops it
+    as SIGTERM does (drain, then the port closes)."""
 
     def __init__(self, server: StreamWorldServer) -> None:
-        from streamworld.server.asgi import uvicorn_server
-
         self.server = server
-        self.uvicorn = uvicorn_server(server, "127.0.0.1", 0, log_level="warning")
+        self.stop = asyncio.Event()
 
     async def start(self) -> RunningAsgiServer:
-        await self.server.start()
-        self.task = asyncio.create_task(self.uvicorn.serve())
-        while not self.uvicorn.started:
-            assert not self.task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.02)
-        self.port = self.uvicorn.servers[0].sockets[0].getsockname()[1]
+        from streamworld.server.asgi import serve_asgi
+
+        bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.task = asyncio.create_task(
+            serve_asgi(self.server, "127.0.0.1", 0, "warning", self.stop, announce=bound.set_result)
+        )
+        done, _ = await asyncio.wait({bound, self.task}, return_when=asyncio.FIRST_COMPLETED)
+        assert bound in done, "uvicorn did not start"
+        self.port = bound.result()
         return self
 
     async def close(self) -> None:
-        await self.server.drain()
-        self.uvicorn.should_exit = True
+        self.stop.set()
         await self.task
-        await self.server.close()
 
 
 TRANSPORTS = ["aiohttp", "asgi"]

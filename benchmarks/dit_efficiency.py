@@ -21,6 +21,13 @@ x T), model width D = heads x head dim, FFN width Dff and L text tokens:
 
 plus the patch embedding and the head (2 Nq P D each, P = channels x patch volume).
 
+With --paged B[,B...] it also times the engine's own forward: B units at a full window
+reading and writing the paged K/V cache as the engine does (`PagedKVBatch`: one gather of
+context and own frames per block, the sinks moved), back to back as overlapped dispatch
+queues them, with the blocks run eagerly and replayed from a CUDA graph (--cuda-graphs).
+Time per forward is then the GPU's time over many queued forwards: where the host cannot
+launch kernels as fast as the GPU runs them, the eager figure shows it.
+
 Run it on the GPU machine (PyTorch with CUDA); it refuses to run on a CPU.
 """
 
@@ -136,6 +143,60 @@ def profile_categories(model: WorldModel, gen: ReferenceGenerator, request: Gene
     }
 
 
+def paged_forward(model: WorldModel, batch: int, graphed: bool, repeats: int = 30) -> dict:
+    """The engine's paged DiT forward of `batch` units at a full window (module docstring)."""
+    from streamworld.engine.graphs import StageGraphs
+    from streamworld.engine.kv_cache import KVCache, PagedKVView
+    from streamworld.engine.kv_pool import Stage
+    from streamworld.models.causal_wan import ChunkInput
+
+    cfg, dit = model.config, model.dit
+    f, ctx = cfg.latent_frames_per_chunk, cfg.sink_frames + cfg.window_frames
+    stage = Stage(0, 0, cfg.num_layers)
+    cache = KVCache.for_model(model, [stage], batch * (ctx + f))
+    cache.keys[0].normal_()
+    cache.values[0].normal_()
+    text = model.text_context("a walk")
+    first = 4 * ctx  # far enough in that the sinks move
+    units = []
+    for i in range(batch):
+        base = i * (ctx + f)
+        pages = list(range(base, base + ctx)), [list(range(base + ctx, base + ctx + f))]
+        view = PagedKVView(cache, stage, *pages, cfg.tokens_per_frame, first, cfg.sink_frames)
+        latents = torch.randn(model.latent_shape(f), device="cuda")
+        units.append(ChunkInput(latents, torch.full((f,), 500.0, device="cuda"), text, view))
+    graphs = StageGraphs(dit, stage, torch.device("cuda"), batch) if graphed else None
+
+    def forward() -> torch.Tensor:
+        act = dit.embed(units)
+        act = graphs.run(act, units) if graphs else dit.run_blocks(act, units, 0, cfg.num_layers)
+        return dit.head(act)
+
+    with torch.inference_mode():
+        for _ in range(3):  # a graph is captured at the second
+            forward()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(repeats):
+            forward()
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+    per_forward = start.elapsed_time(end) / 1000 / repeats
+    flops = forward_flops(cfg, f, ctx + f) * batch
+    del cache
+    return {
+        "batch": batch,
+        "cuda_graphs": graphed,
+        "forward_s": per_forward,
+        "host_s_per_forward": host / repeats,
+        "forward_tflop": flops / 1e12,
+        "achieved_tflops": flops / per_forward / 1e12,
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("dit_efficiency.py measures a GPU; PyTorch sees none here")
@@ -187,6 +248,14 @@ def run(args: argparse.Namespace) -> dict:
         "efficiency": achieved / peak,
         "wall_s_of_measured_run": wall,
     }
+    if args.paged:
+        result["paged"] = []
+        for batch in (int(b) for b in args.paged.split(",")):
+            for graphed in (False, True):
+                row = paged_forward(model, batch, graphed)
+                row["efficiency"] = row["achieved_tflops"] / peak
+                result["paged"].append(row)
+                torch.cuda.empty_cache()
     if args.profile:
         result["profile_one_run"] = profile_categories(
             model, gen, dataclasses.replace(request, num_chunks=fill + 1)
@@ -205,6 +274,7 @@ def main() -> None:
     p.add_argument("--kv-mode", default="final", choices=("clean", "final", "noisy"), help="default final")
     p.add_argument("--compile", action="store_true", help="the compiled elementwise paths (--compile)")
     p.add_argument("--profile", action="store_true", help="kernel time by kind over one more run")
+    p.add_argument("--paged", metavar="B,B", help="also the engine's paged forward at these batch sizes")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args()
     result = run(args)
@@ -216,6 +286,13 @@ def main() -> None:
         f"{r['achieved_tflops']:.0f} TFLOP/s = {r['efficiency']:.1%} of the bf16 matmul rate measured "
         f"here ({r['matmul_peak_tflops']:.0f} TFLOP/s)"
     )
+    for row in result.get("paged", []):
+        how = "CUDA graph" if row["cuda_graphs"] else "eager blocks"
+        print(
+            f"engine forward, {row['batch']} unit(s), {how}: "
+            f"{row['forward_s'] * 1e3:.1f} ms on the GPU (host {row['host_s_per_forward'] * 1e3:.1f} ms), "
+            f"{row['achieved_tflops']:.0f} TFLOP/s = {row['efficiency']:.1%}"
+        )
     if "profile_one_run" in result:
         prof = result["profile_one_run"]
         print(f"kernel time of one run: {prof['kernel_ms']:.0f} ms")

@@ -28,6 +28,11 @@ Runs (name: streams, KV mode, pacing, what it answers):
   baselines run the same model, so each ratio compares the engine with the sequential loop
   on equal components.
 
+- CUDA graphs (`--cuda-graphs`), side by side with the same runs without them, no baseline:
+  `480-1-noisy-{fast,compile}-nb[-graphs]` (one stream with the lite and with the Wan
+  decoder), `320-{1,8}-noisy-fast-tb16k-nb[-graphs]` (unpaced) and the real-time capacity
+  curve `320-N-noisy-paced-fast-tb16k[-graphs]` for N in 10, 12, 14, 16.
+
 Each run writes `<name>.json` (the `streamworld bench` result, plus the seconds the model
 took to load) into `--out`, and the driver prints one summary line per run.
 """
@@ -70,9 +75,27 @@ def _variant(name: str) -> str:
     return ""
 
 
-def _engine(token_budget: int) -> EngineConfig:
+def _engine(token_budget: int, cuda_graphs: bool = False) -> EngineConfig:
     """The default engine with another per-batch token budget."""
-    return EngineConfig(scheduler=SchedulerConfig(token_budget=token_budget))
+    return EngineConfig(scheduler=SchedulerConfig(token_budget=token_budget), cuda_graphs=cuda_graphs)
+
+
+def _graph_runs() -> list[tuple[str, str, BenchConfig]]:
+    """Each run without CUDA graphs and then with them."""
+    runs = []
+    for graphs in (False, True):
+        tail = "-graphs" if graphs else ""
+        for v in ("fast", "compile"):
+            engine = _engine(8192, graphs)
+            cfg = BenchConfig(1, 15.0, "noisy", paced=False, baseline=False, engine=engine)
+            runs.append((f"480-1-noisy-{v}-nb{tail}", "480", cfg))
+        for n in (1, 8):
+            cfg = BenchConfig(n, 15.0, "noisy", paced=False, baseline=False, engine=_engine(16384, graphs))
+            runs.append((f"320-{n}-noisy-fast-tb16k-nb{tail}", "320", cfg))
+        for n in (10, 12, 14, 16):
+            cfg = BenchConfig(n, 20.0, "noisy", baseline=False, engine=_engine(16384, graphs))
+            runs.append((f"320-{n}-noisy-paced-fast-tb16k{tail}", "320", cfg))
+    return runs
 
 
 def _fast_runs() -> list[tuple[str, str, BenchConfig]]:
@@ -192,7 +215,7 @@ def _runs() -> list[tuple[str, str, BenchConfig]]:
     )
     # cuDNN autotuning for the VAE's convolutions; process-wide, so it stays on after this run.
     runs.append(("320-8-noisy-cudnn-benchmark", "320", BenchConfig(8, 15.0, "noisy", "clean", paced=False)))
-    return runs + _fast_runs()
+    return runs + _fast_runs() + _graph_runs()
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -244,6 +267,7 @@ def _bench(name: str, cfg: BenchConfig, model: WorldModel, load_s: float) -> dic
     result["model_load_s"] = load_s
     result["decoder"] = model.vae.decoder_kind
     result["compiled_elementwise"] = model.dit.elementwise_compiled
+    result["cuda_graphs_on"] = cfg.engine.cuda_graphs
     lite = getattr(model.vae, "lite", None)
     result["compiled_decoder"] = lite is not None and lite.compiled
     result["geometry"] = f"{model.config.height}x{model.config.width}, window {model.config.window_frames}"

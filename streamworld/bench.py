@@ -246,6 +246,9 @@ def _placement_figures(
     links = [(r, link) for r, e in enumerate(engines) for link in e.runner.links]  # as _Window.copies
     if any(link.crosses for _, link in links):
         out["stage_copies"] = _copy_figures(links, start, end, wall)
+    graphs = [g.stats.to_json() for e in engines for g in e.runner.graphs or []]
+    if graphs:  # over the whole run, warm-up included: captures happen there
+        out["cuda_graphs"] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
     if len(engines) > 1:
         out["per_replica"] = _replica_figures(streams["per_stream"], replica_of, len(engines))
     return out
@@ -576,6 +579,12 @@ def _placement_lines(e: dict) -> list[str]:
         lines.append(
             f"copies   replica {c['replica']} {c['link']}: {c['copy_s']:.3f} s "
             f"({c['copy_share']:.1%} of the window), {c['gbytes_per_s']:.2f} GB/s"
+        )
+    graphs = e.get("cuda_graphs")
+    if graphs:
+        lines.append(
+            f"graphs   {graphs['captured']} captured, {graphs['replays']} batches replayed, "
+            f"{graphs['eager']} eager, {graphs['evicted']} evicted (whole run)"
         )
     for r in e.get("per_replica") or []:
         lines.append(f"replica  {r['replica']}: {r['streams']} streams, {r['fps']:.1f} frames/s")

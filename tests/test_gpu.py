@@ -119,7 +119,7 @@ def test_wan13b_generates_480x832_chunks_in_every_kv_mode(wan13b, kv_mode):
     )
 
 
-def _engine_run(model: WorldModel, requests, **config):
+def _engine_run(model: WorldModel, requests, inspect=None, **config):
     import asyncio
 
     from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
@@ -134,6 +134,8 @@ def _engine_run(model: WorldModel, requests, **config):
                 return [c async for c in h]
 
             outs = await asyncio.gather(*(collect(h) for h in handles))
+            if inspect is not None:
+                inspect(engine)
             return outs, dict(engine.stats.batch_sizes), engine.pool.pages_used
 
     return asyncio.run(main())
@@ -444,3 +446,55 @@ def test_a_stage_link_orders_the_receiver_after_its_copy_without_blocking_the_ho
     torch.cuda.synchronize()
     print(f"\nstage link: {link.bytes} bytes in {link.copy_s * 1e3:.3f} ms")
     assert link.bytes == 4 * n and link.copy_s > 0
+
+
+def _graph_stats(engine, into: dict) -> None:
+    for graphs in engine.runner.graphs:
+        for k, v in graphs.stats.to_json().items():
+            into[k] = into.get(k, 0) + v
+
+
+def _graphed_vs_reference(model: WorldModel, requests, label: str, tolerance: float, **config) -> dict:
+    stats: dict = {}
+    outs, batches, pages_used = _engine_run(
+        model, requests, inspect=lambda e: _graph_stats(e, stats), cuda_graphs=True, **config
+    )
+    assert pages_used == 0 and max(batches) > 1
+    ref = ReferenceGenerator(model)
+    for req, out in zip(requests, outs, strict=True):
+        request = GenerationRequest(req.seed, req.num_chunks, prompt=req.prompt, kv_mode=req.kv_mode)
+        expected = ref.generate(request)
+        err = _rel_err(torch.cat([o.latents for o in out], dim=1), expected.latents)
+        print(f"\nCUDA graphs vs reference, {label} {req.kv_mode}: rel err {err:.1e}")
+        assert err < tolerance
+    print(f"graphs: {stats}; batch sizes {batches}")
+    assert stats["captured"] > 0 and stats["replays"] > 0
+    return stats
+
+
+def test_cuda_graphs_match_the_reference_tiny_wan_with_sinks_moving_and_prompts_changing_slots():
+    """Five chunks pass the tiny model's window, so the sinks move; four streams with three
+    prompts in every mode make batches whose prompts change text slots; eager elementwise
+    and compiled (Triton kernels inside the graph) both; one stage and two stages on two
+    CUDA-stream ranks (the second stage's graph reads the first's activation)."""
+    from streamworld.engine import StreamRequest
+
+    modes = ["clean", "final", "noisy", "noisy"]
+    prompts = ["p0", "p1", "p0", "p2"]
+    requests = [
+        StreamRequest(seed=i, num_chunks=5, prompt=p, kv_mode=m)
+        for i, (m, p) in enumerate(zip(modes, prompts, strict=True))
+    ]
+    model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
+    _graphed_vs_reference(model, requests, "tiny-wan float32", 1e-3)
+    _graphed_vs_reference(model, requests, "tiny-wan float32, 2 stages", 1e-3, num_stages=2, num_ranks=2)
+    model.dit.compile_elementwise(model.config.latent_frames_per_chunk)
+    _graphed_vs_reference(model, requests, "tiny-wan float32 compiled", 1e-3)
+
+
+def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):
+    from streamworld.engine import StreamRequest
+
+    requests = [StreamRequest(seed=i, num_chunks=3, prompt="a fox", kv_mode="noisy") for i in range(2)]
+    stats = _graphed_vs_reference(wan13b, requests, "wan2.1-t2v-1.3b bf16 480x832", 5e-2)
+    assert stats["eager"] < stats["replays"]

@@ -149,6 +149,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-batch", type=int, default=16, help="most units in one batch (default 16)")
     group.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the DiT's blocks from CUDA graphs, one captured per batch shape the second time it "
+        "is seen (at most 32 per stage; other batches run as before): far fewer kernel launches where the "
+        "host, not the GPU, sets the pace; adds a buffer of --max-batch prompts' cross-attention K/V per "
+        "stage (94 MiB each for Wan 1.3B). CUDA only; figures in docs/benchmarks.md",
+    )
+    group.add_argument(
         "--token-budget",
         type=int,
         default=65536,
@@ -177,6 +185,7 @@ def engine_config(args: argparse.Namespace, **settings) -> EngineConfig:
         num_stages=args.stages or 1,
         num_ranks=args.ranks,
         ttff_budget_s=args.ttff_budget,
+        cuda_graphs=args.cuda_graphs,
         scheduler=SchedulerConfig(max_batch_units=args.max_batch, token_budget=args.token_budget),
         **settings,
     )

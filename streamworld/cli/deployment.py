@@ -28,7 +28,15 @@ class Key(NamedTuple):
 
 SERVER_KEYS = ("transport", "host", "port", "log_level", "max_connections", "auth_token")
 LIMIT_KEYS = ("start_timeout", "pause_chunks", "slow_client_timeout", "ack_window", "queue_timeout")
-ENGINE_KEYS = ("max_sessions", "max_queue", "ttff_budget", "max_batch", "token_budget", "threads")
+ENGINE_KEYS = (
+    "max_sessions",
+    "max_queue",
+    "ttff_budget",
+    "max_batch",
+    "token_budget",
+    "cuda_graphs",
+    "threads",
+)
 MODEL_KEYS = (
     "weights",
     "dit",

@@ -235,15 +235,19 @@ def placement(
 
     try:
         if not args.devices and not args.placement:
-            return single_device(home(), num_layers, args.stages or 1, args.ranks)
-        devices = args.devices.split(",") if args.devices else [home()]
-        placed = parse_placement(args.placement or "replicas", devices, num_layers, args.stages)
-        if devices_here:
-            check_devices(placed, device_problem)
+            placed = single_device(home(), num_layers, args.stages or 1, args.ranks)
+        else:
+            devices = args.devices.split(",") if args.devices else [home()]
+            placed = parse_placement(args.placement or "replicas", devices, num_layers, args.stages)
+            if devices_here:
+                check_devices(placed, device_problem)
     except PlacementError as e:
         raise UsageError(f"{label}{e}") from None
     except RuntimeError as e:  # resolve_device: no such device
         raise UsageError(f"{label}--device: {e}") from None
+    elsewhere = {s.device for r in placed.replicas for s in r.stages if not s.device.startswith("cuda")}
+    if getattr(args, "cuda_graphs", False) and elsewhere:
+        raise UsageError(f"{label}--cuda-graphs needs CUDA devices, not {', '.join(sorted(elsewhere))}")
     return placed
 
 

@@ -62,6 +62,7 @@ class EngineSection(_Section):
     ttff_budget: float = Field(1.0, gt=0)
     max_batch: int = Field(16, ge=1)
     token_budget: int = Field(65536, ge=1)
+    cuda_graphs: bool = False
     threads: int | None = Field(None, ge=1)
 
 

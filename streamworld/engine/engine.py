@@ -87,8 +87,18 @@ class AsyncEngine:
         )
         self.overlap = overlap = resolve_overlap(self.config.overlap_dispatch, model.device, num_ranks)
         # The hook is read per batch: tests swap the configuration of a running engine.
+        if self.config.cuda_graphs and any(d.type != "cuda" for d in stage_devices):
+            raise ValueError(
+                f"CUDA graphs need CUDA devices; stages are on {', '.join(map(str, stage_devices))}"
+            )
         self.runner = ModelRunner(
-            model, self.stages, cache, overlap, lambda: self.config.fault_hook, stage_devices
+            model,
+            self.stages,
+            cache,
+            overlap,
+            lambda: self.config.fault_hook,
+            stage_devices,
+            cuda_graphs=self.config.scheduler.max_batch_units if self.config.cuda_graphs else 0,
         )
         # On a CPU all of them share the process's one PyTorch thread (executor.py says why).
         self.ranks = [Executor(f"rank{r}", d, overlap=overlap) for r, d in enumerate(rank_devices)]

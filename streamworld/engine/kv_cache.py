@@ -188,6 +188,31 @@ class PagedKVBatch:
             else None
         )
 
+    def _indices(self) -> list[torch.Tensor | None]:
+        return [self.read, self.write, self.rows, self.with_own]
+
+    def signature(self) -> tuple:
+        """What a CUDA graph of this batch depends on (engine/graphs.py): the cache, the
+        batch size and which page indices there are, of what length."""
+        lengths = tuple(None if t is None else t.numel() for t in self._indices())
+        return (id(self.keys), self.start, self.batch, self.p, lengths)
+
+    def static_copy(self) -> PagedKVBatch:
+        """The same reader and writer over page indices of its own, for a CUDA graph to read;
+        `load` refills them for another batch of the same `signature`."""
+        copy = object.__new__(PagedKVBatch)
+        copy.__dict__.update(self.__dict__)
+        copy.read, copy.write, copy.rows, copy.with_own = (
+            None if t is None else t.clone() for t in self._indices()
+        )
+        return copy
+
+    def load(self, other: PagedKVBatch) -> None:
+        """`other`'s page indices into this batch's own (on the current stream)."""
+        for mine, theirs in zip(self._indices(), other._indices(), strict=True):
+            if mine is not None and theirs is not None:
+                mine.copy_(theirs, non_blocking=True)
+
     def context(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keys and values [B, context_frames * P, H, d]."""
         return None if self.read is None else self._gather(block, self.read)

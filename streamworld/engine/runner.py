@@ -31,6 +31,7 @@ from ..models.causal_wan import ChunkInput, StageActivation
 from ..models.transfer import to_device
 from ..models.vae import image_from_uint8, to_uint8
 from ..models.world_model import WorldModel
+from .graphs import StageGraphs
 from .kv_cache import KVCache, PagedKVView
 from .kv_pool import Stage
 from .placement import ReplicaPlacement
@@ -148,6 +149,7 @@ class ModelRunner:
         overlap: bool,
         fault_hook: Callable[[], Any] = lambda: None,
         stage_devices: list[torch.device] | None = None,
+        cuda_graphs: int = 0,
     ) -> None:
         self.model = model
         self.stages = stages
@@ -160,6 +162,10 @@ class ModelRunner:
         self.overlap = overlap
         self.fault_hook = fault_hook
         self.streams: dict[int, StreamTensors] = {}
+        # Per stage, CUDA graphs of its blocks for batches of up to `cuda_graphs` units
+        # (graphs.py); None: every batch runs eagerly.
+        placed = zip(stages, self.stage_devices, strict=True)
+        self.graphs = [StageGraphs(model.dit, s, d, cuda_graphs) for s, d in placed] if cuda_graphs else None
 
     # --- loop side: references only -----------------------------------------------------------
     def open_stream(self, stream_id: int, seed: int) -> tuple:
@@ -251,7 +257,10 @@ class ModelRunner:
             inputs.append(chunk_input)
             x_ts.append(chunk_input.latents)
         act = model.dit.embed(inputs) if stage.index == 0 else self._received(works)
-        act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
+        if self.graphs is not None:
+            act = self.graphs[stage.index].run(act, inputs)
+        else:
+            act = model.dit.run_blocks(act, inputs, stage.start, stage.stop)
         if stage.index == len(self.stages) - 1:
             outputs = self._head(act, works, x_ts)
         else:

@@ -67,6 +67,18 @@ class StageActivation:
     num_frames: int
 
 
+@dataclass
+class BlockPlan:
+    """A batch's self-attention bookkeeping for `CausalWanDiT.run_planned`."""
+
+    units: list[ChunkInput]
+    ctx_frames: list[int]  # context frames per unit
+    q_turn: torch.Tensor  # the queries' (and own keys') rotation, `_Elementwise.turn`
+    sink_moves: list[tuple[int, tuple[torch.Tensor, torch.Tensor]] | None]  # per unit
+    batch: Any = None  # the units' batched K/V reader and writer (`KVView.plan`), or None
+    batch_move: tuple[int, torch.Tensor, torch.Tensor] | None = None  # sink tokens, cos, sin [B, 1, 1, d]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Wan's interleaved RoPE: channel pairs (2i, 2i+1) rotate by the angle in cos/sin[2i]."""
     return _rotate_by(x, _turn(cos, sin))
@@ -429,6 +441,25 @@ class CausalWanDiT(nn.Module):
         own keys (one call per unit), so no compute is spent on padding. Every other
         operation of the block runs on the whole batch.
         """
+        plan = self.plan_blocks(act, units)
+        return self.run_planned(act, plan, self.stacked_text(units), start, stop)
+
+    @staticmethod
+    def stacked_text(units: Sequence[ChunkInput]) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """block -> the units' cross-attention keys and values [B, L, H, d], stacked."""
+
+        def text(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.stack([u.text.keys[index] for u in units]),
+                torch.stack([u.text.values[index] for u in units]),
+            )
+
+        return text
+
+    def plan_blocks(self, act: StageActivation, units: Sequence[ChunkInput]) -> BlockPlan:
+        """What `run_planned` needs besides the activation and the prompts: the queries'
+        rotation, how the sinks move, and the batched K/V reader and writer when every unit
+        has the same context length (host work and small copies only)."""
         ctx_frames = [u.kv.context_frames for u in units]
         p = self.tokens_per_frame
         device = act.hidden.device
@@ -444,8 +475,6 @@ class CausalWanDiT(nn.Module):
             gap = u.kv.first_frame - c
             sinks = u.kv.sink_frames
             sink_moves.append((sinks * p, self.temporal_shift(gap, device)) if sinks and gap else None)
-        ops = self._ops
-        q_turn = ops.turn(q_cos, q_sin)
         uniform = all(c == ctx_frames[0] for c in ctx_frames)
         batch = _batch_plan(units) if uniform else None
         batch_move = None
@@ -457,7 +486,21 @@ class CausalWanDiT(nn.Module):
             cos = torch.stack([c for c, _ in moves])[:, None, None]  # [B, 1, 1, d]
             sin = torch.stack([s for _, s in moves])[:, None, None]
             batch_move = (n, cos, sin)
+        return BlockPlan(list(units), ctx_frames, self._ops.turn(q_cos, q_sin), sink_moves, batch, batch_move)
 
+    def run_planned(
+        self,
+        act: StageActivation,
+        plan: BlockPlan,
+        text: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        start: int,
+        stop: int,
+    ) -> StageActivation:
+        """Blocks [start, stop) as `plan` says; `text(block)` gives the units' cross-attention
+        keys and values [B, L, H, d]. With a batched K/V plan this is kernels only, with no
+        host synchronisation, so that it can be captured in a CUDA graph
+        (`streamworld.engine.graphs`)."""
+        ops, batch, q_turn = self._ops, plan.batch, plan.q_turn
         for index in range(start, stop):
 
             def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int = index) -> torch.Tensor:
@@ -475,37 +518,41 @@ class CausalWanDiT(nn.Module):
                             torch.cat([ctx[1].to(v.dtype), v], dim=1),
                         )
                     keys, values = both
-                    if batch_move is not None:  # the sinks lead the context
-                        n, cos, sin = batch_move
+                    if plan.batch_move is not None:  # the sinks lead the context
+                        n, cos, sin = plan.batch_move
                         keys[:, :n] = _rotate(keys[:, :n], cos, sin)
                     return _sdpa(q, keys, values, None)
-                keys, values = [], []
-                for i, unit in enumerate(units):
-                    ctx = unit.kv.context(index)
-                    unit.kv.store(index, k[i], v[i])
-                    if ctx is None or not ctx_frames[i]:
-                        keys.append(k[i])
-                        values.append(v[i])
-                        continue
-                    ctx_k, ctx_v = ctx[0].to(k.dtype), ctx[1].to(v.dtype)
-                    move = sink_moves[i]
-                    if move is None:
-                        keys.append(torch.cat([ctx_k, k[i]]))
-                    else:
-                        n, (cos, sin) = move
-                        keys.append(torch.cat([_rotate(ctx_k[:n], cos, sin), ctx_k[n:], k[i]]))
-                    values.append(torch.cat([ctx_v, v[i]]))
-                q = ops.rotate(q, q_turn)
-                if uniform:
-                    return _sdpa(q, torch.stack(keys), torch.stack(values), None)
-                return torch.cat(
-                    [_sdpa(q[i : i + 1], keys[i][None], values[i][None], None) for i in range(len(units))]
-                )
+                return self._attend_each(plan, index, q, k, v)
 
-            text_k = torch.stack([u.text.keys[index] for u in units])
-            text_v = torch.stack([u.text.values[index] for u in units])
-            act.hidden = self._block(index, act, attend, text_k, text_v)
+            act.hidden = self._block(index, act, attend, *text(index))
         return act
+
+    def _attend_each(
+        self, plan: BlockPlan, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Self-attention unit by unit (contexts of different lengths, or no batched K/V)."""
+        keys, values = [], []
+        for i, unit in enumerate(plan.units):
+            ctx = unit.kv.context(index)
+            unit.kv.store(index, k[i], v[i])
+            if ctx is None or not plan.ctx_frames[i]:
+                keys.append(k[i])
+                values.append(v[i])
+                continue
+            ctx_k, ctx_v = ctx[0].to(k.dtype), ctx[1].to(v.dtype)
+            move = plan.sink_moves[i]
+            if move is None:
+                keys.append(torch.cat([ctx_k, k[i]]))
+            else:
+                n, (cos, sin) = move
+                keys.append(torch.cat([_rotate(ctx_k[:n], cos, sin), ctx_k[n:], k[i]]))
+            values.append(torch.cat([ctx_v, v[i]]))
+        q = self._ops.rotate(q, plan.q_turn)
+        if all(c == plan.ctx_frames[0] for c in plan.ctx_frames):
+            return _sdpa(q, torch.stack(keys), torch.stack(values), None)
+        return torch.cat(
+            [_sdpa(q[i : i + 1], keys[i][None], values[i][None], None) for i in range(len(plan.units))]
+        )
 
     def head(self, act: StageActivation) -> torch.Tensor:
         """Stage epilogue: the predicted flow [B, C, F, h, w] (float32)."""

@@ -584,7 +584,8 @@ def _placement_lines(e: dict) -> list[str]:
     if graphs:
         lines.append(
             f"graphs   {graphs['captured']} captured, {graphs['replays']} batches replayed, "
-            f"{graphs['eager']} eager, {graphs['evicted']} evicted (whole run)"
+            f"{graphs['eager']} eager, {graphs['evicted']} evicted, {graphs['failures']} failed captures "
+            "(whole run)"
         )
     for r in e.get("per_replica") or []:
         lines.append(f"replica  {r['replica']}: {r['streams']} streams, {r['fps']:.1f} frames/s")

@@ -125,7 +125,8 @@ def _engine_run(model: WorldModel, requests, inspect=None, **config):
     from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
 
     async def main():
-        cfg = EngineConfig(ttff_budget_s=1e3, scheduler=SchedulerConfig(lookahead_chunks=1e6), **config)
+        scheduler = config.pop("scheduler", SchedulerConfig(lookahead_chunks=1e6))
+        cfg = EngineConfig(ttff_budget_s=1e3, scheduler=scheduler, **config)
         async with AsyncEngine(model, cfg) as engine:
             assert engine.overlap == (len(engine.ranks) == 1)  # on by default with one rank on a GPU
             handles = [engine.open_stream(r) for r in requests]
@@ -459,7 +460,7 @@ def _graphed_vs_reference(model: WorldModel, requests, label: str, tolerance: fl
     outs, batches, pages_used = _engine_run(
         model, requests, inspect=lambda e: _graph_stats(e, stats), cuda_graphs=True, **config
     )
-    assert pages_used == 0 and max(batches) > 1
+    assert pages_used == 0
     ref = ReferenceGenerator(model)
     for req, out in zip(requests, outs, strict=True):
         request = GenerationRequest(req.seed, req.num_chunks, prompt=req.prompt, kv_mode=req.kv_mode)
@@ -468,7 +469,7 @@ def _graphed_vs_reference(model: WorldModel, requests, label: str, tolerance: fl
         print(f"\nCUDA graphs vs reference, {label} {req.kv_mode}: rel err {err:.1e}")
         assert err < tolerance
     print(f"graphs: {stats}; batch sizes {batches}")
-    assert stats["captured"] > 0 and stats["replays"] > 0
+    assert stats["captured"] > 0 and stats["replays"] > 0 and stats["failures"] == 0
     return stats
 
 
@@ -493,8 +494,11 @@ def test_cuda_graphs_match_the_reference_tiny_wan_with_sinks_moving_and_prompts_
 
 
 def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):
-    from streamworld.engine import StreamRequest
+    from streamworld.engine import SchedulerConfig, StreamRequest
 
+    # One unit per batch (`--token-budget 8192` at 480x832): with the noisy mode's pipelined
+    # chunks, larger batches mix context lengths, and those run eagerly.
+    scheduler = SchedulerConfig(lookahead_chunks=1e6, token_budget=8192)
     requests = [StreamRequest(seed=i, num_chunks=3, prompt="a fox", kv_mode="noisy") for i in range(2)]
-    stats = _graphed_vs_reference(wan13b, requests, "wan2.1-t2v-1.3b bf16 480x832", 5e-2)
+    stats = _graphed_vs_reference(wan13b, requests, "wan2.1-t2v-1.3b bf16 480x832", 5e-2, scheduler=scheduler)
     assert stats["eager"] < stats["replays"]

@@ -25,6 +25,7 @@ values; tests/test_gpu.py checks it).
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from .kv_cache import PagedKVBatch
 from .kv_pool import Stage
 
 log = logging.getLogger("streamworld.engine")
+_CAPTURING = threading.Lock()
 
 
 @dataclass
@@ -45,6 +47,7 @@ class GraphStats:
     replays: int = 0  # batches run through a graph
     eager: int = 0  # batches run eagerly (first sighting of a shape, or not graphable)
     evicted: int = 0  # graphs dropped to keep at most `max_graphs`
+    failures: int = 0  # a capture that failed (logged); the stage then runs eagerly
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -78,6 +81,7 @@ class StageGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: Counter[tuple] = Counter()
         self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None  # where graphs are captured
         self._text: tuple[torch.Tensor, torch.Tensor] | None = None  # [blocks, max_batch, L, H, d]
         self._slots: list[Any] = []  # per text slot: a weak reference to the CrossKV in it
 
@@ -87,10 +91,14 @@ class StageGraphs:
         plan = dit.plan_blocks(act, units)
         key = self._key(act, plan, units)
         entry = None if key is None else self._graphs.get(key)
-        if entry is None and key is not None:
+        if entry is None and key is not None and not self.stats.failures:
             self._seen[key] += 1
             if self._seen[key] >= 2:
-                entry = self._capture(key, act, plan, units)
+                try:
+                    entry = self._capture(key, act, plan, units)
+                except Exception:  # the stage runs eagerly from now on, as without graphs
+                    log.warning("stage %d: CUDA graph capture failed; eager now", stage.index, exc_info=True)
+                    self.stats.failures += 1
         if entry is None:
             self.stats.eager += 1
             return dit.run_planned(act, plan, dit.stacked_text(units), stage.start, stage.stop)
@@ -145,12 +153,21 @@ class StageGraphs:
             return text_k[index - stage.start, :b], text_v[index - stage.start, :b]
 
         graph = torch.cuda.CUDAGraph()
-        # On the rank's own stream; other threads (the decoder) go on with their work.
-        with torch.cuda.graph(
-            graph, pool=self._pool, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"
-        ):
-            inputs = StageActivation(hidden, modulation, act.temb, act.num_frames)
-            out = dit.run_planned(inputs, static, text, stage.start, stage.stop).hidden
+        # Captured on a stream of its own (the rank's may be the default stream, which cannot
+        # capture) and replayed on the rank's. Nothing runs while capturing, so nothing needs
+        # to wait for the device (`torch.cuda.graph` synchronises it, which fails while another
+        # rank captures). Other threads (the decoder, other ranks) go on with their work; in
+        # "thread_local" mode only this thread's calls are checked. One capture at a time in
+        # the process.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        with _CAPTURING, torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                inputs = StageActivation(hidden, modulation, act.temb, act.num_frames)
+                out = dit.run_planned(inputs, static, text, stage.start, stage.stop).hidden
+            finally:
+                graph.capture_end()
         entry = _Graph(graph, hidden, modulation, static, out)
         self._graphs[key] = entry
         self.stats.captured += 1

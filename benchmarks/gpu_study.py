@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import sys
 import time
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         result = _bench(name, cfg, model, load_s)
         write_json(result, str(out / f"{name}.json"))
         torch.cuda.synchronize()
+        gc.collect()  # whatever the run left in reference cycles, before the next sizes its pool
         torch.cuda.empty_cache()
     print(json.dumps({"runs": [r[0] for r in runs]}))
     return 0

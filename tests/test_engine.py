@@ -536,3 +536,37 @@ def test_overlapped_dispatch_needs_a_single_rank(tiny_model):
     with pytest.raises(ValueError, match="one rank"):
         AsyncEngine(tiny_model, engine_config(num_ranks=2, overlap_dispatch=True))
     assert not AsyncEngine(tiny_model, engine_config()).overlap  # off by default on a CPU
+
+
+@pytest.mark.parametrize(
+    "writes",
+    [
+        ([[0, 1, 2]], []),  # the second unit writes nothing (a step that keeps no K/V)
+        ([], [[3, 4, 5]]),
+        ([[0, 1, 2], [6, 7, 8]], [[3, 4, 5]]),  # two versions, then one
+        ([[0, 1, 2]], [[3, 4, 5]]),
+    ],
+)
+def test_a_batched_kv_store_writes_each_units_rows_to_its_own_pages(writes):
+    """`PagedKVBatch.store` on a batch whose units write different numbers of versions:
+    each page gets exactly its unit's frame, and no other page changes."""
+    from streamworld.engine.kv_cache import KVCache, PagedKVView
+    from streamworld.engine.kv_pool import Stage
+
+    stage, frames, p = Stage(0, 0, 2), 3, 2
+    cache = KVCache([stage], 9, p, 1, 2, torch.float32, torch.device("cpu"))
+    cache.keys[0].fill_(-1.0)
+    cache.values[0].fill_(-1.0)
+    views = [PagedKVView(cache, stage, [], list(w), p, 0, 0) for w in writes]
+    batch = PagedKVView.plan(views)
+    key = torch.arange(2 * frames * p * 2, dtype=torch.float32).view(2, frames * p, 1, 2)
+    batch.store(1, key, -key)
+    expected = torch.full_like(cache.keys[0][:, 1], -1.0)
+    for unit, versions in enumerate(writes):
+        for pages in versions:
+            for f, page in enumerate(pages):
+                expected[page] = key[unit, f * p : (f + 1) * p]
+    assert torch.equal(cache.keys[0][:, 1], expected)
+    assert torch.equal(cache.keys[0][:, 0], torch.full_like(expected, -1.0))  # block 0 untouched
+    written = expected != -1.0
+    assert torch.equal(cache.values[0][:, 1][written], -expected[written])

@@ -137,6 +137,10 @@ class AsyncEngine:
                 await self._task
         for ex in (*self.ranks, self.decoder, self.prep):
             await asyncio.to_thread(ex.shutdown)
+        # The K/V pages and the graphs go back now, not whenever the engine is collected:
+        # a process that starts engines one after another (a benchmark) sizes each new pool
+        # from the memory left free.
+        self.runner.release()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()

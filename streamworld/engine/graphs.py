@@ -109,6 +109,12 @@ class StageGraphs:
         # Copied out at once: the next replay of any graph may reuse the pool's memory.
         return StageActivation(entry.out.clone(), act.modulation, act.temb, act.num_frames)
 
+    def release(self) -> None:
+        """Drops every graph and buffer (the K/V cache they point into is going); `stats` stay."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._text, self._slots, self._pool = None, [], None
+
     def _key(self, act: StageActivation, plan: BlockPlan, units: list[ChunkInput]) -> tuple | None:
         """What a graph's shapes depend on; None where no graph applies."""
         batch = plan.batch

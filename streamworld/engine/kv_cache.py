@@ -178,8 +178,10 @@ class PagedKVBatch:
                 pages.extend(version_pages)
                 rows.extend(i * len(version_pages) + j for j in range(len(version_pages)))
         self.write = tensor_on(pages, device) if pages else None
-        # Row i of the written K/V goes to page i unless some unit writes several versions.
-        self.rows = tensor_on(rows, device) if pages and rows != list(range(len(rows))) else None
+        # Row i of the written K/V goes to page i when every unit writes one version; units
+        # that write several versions, or none, need the rows picked.
+        frames = max((len(p) for v in views for p in v.write_pages), default=0)
+        self.rows = tensor_on(rows, device) if pages and rows != list(range(len(views) * frames)) else None
         # Context then the unit's own frames (as its first written version stores them), so
         # that attention's keys come out of the cache in one gather, without a concatenation.
         self.with_own = (

@@ -167,6 +167,15 @@ class ModelRunner:
         placed = zip(stages, self.stage_devices, strict=True)
         self.graphs = [StageGraphs(model.dit, s, d, cuda_graphs) for s, d in placed] if cuda_graphs else None
 
+    def release(self) -> None:
+        """Drops the K/V cache's tensors, the graphs and every stream's tensors (the engine
+        is closed; the graphs' counters stay)."""
+        for graphs in self.graphs or []:
+            graphs.release()
+        self.cache.keys.clear()
+        self.cache.values.clear()
+        self.streams.clear()
+
     # --- loop side: references only -----------------------------------------------------------
     def open_stream(self, stream_id: int, seed: int) -> tuple:
         """Makes the stream's state; returns its decoder signature."""

@@ -411,3 +411,18 @@ def test_bench_of_a_stage_pipeline_reports_its_stages_and_no_copies_on_one_devic
     assert (result["config"]["num_stages"], result["config"]["num_ranks"]) == (2, 2)
     assert set(result["engine"]["device_busy_share"]) == {"cpu"}
     assert "stage_copies" not in result["engine"]  # two stages on one device copy nothing
+
+
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_cuda_graphs_on_a_cpu_is_a_one_line_error_before_anything_loads(capsys, command):
+    assert main([command, "--model", "tiny-wan", "--device", "cpu", "--cuda-graphs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--cuda-graphs needs CUDA devices, not cpu" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
+    from streamworld.engine import AsyncEngine, EngineConfig
+
+    with pytest.raises(ValueError, match="CUDA graphs need CUDA devices"):
+        AsyncEngine(tiny_model, EngineConfig(cuda_graphs=True))

@@ -3,13 +3,14 @@
 This package's only import surface for the server, the command line, the benchmarks and
 PushT: import from `streamworld.engine`, not from its modules.
 
-    request     StreamRequest, priorities, action policies, admission errors, validation
+    request     StreamRequest, BranchRequest (forks), priorities, action policies, errors, validation
     kv_modes    clean / final / noisy: what each unit reads, writes and waits for
     stream      stream and chunk state (metadata only) and their transitions
     kv_pool     K/V page bookkeeping: free lists, reservations, page tables
     kv_cache    the K/V tensors and the paged views the DiT reads and writes
     scheduler   every decision: admission, chunk starts, ready units, batches, decodes
     runner      all work on executor threads, and the tensors kept between units
+    graphs      CUDA graphs of a stage's DiT blocks (--cuda-graphs)
     placement   which devices a model uses: replicas, stages, virtual ranks (plain data)
     executor    virtual ranks: worker threads (+ CUDA streams)
     replicas    ReplicaSet: several engines serving one model as one pool
@@ -40,6 +41,7 @@ from .request import (
     ACTION_POLICIES,
     MAX_NUM_CHUNKS,
     PRIORITY_CLASSES,
+    BranchRequest,
     Overloaded,
     StreamError,
     StreamRequest,
@@ -52,6 +54,7 @@ __all__ = [
     "MAX_NUM_CHUNKS",
     "PRIORITY_CLASSES",
     "AsyncEngine",
+    "BranchRequest",
     "ChunkOutput",
     "EngineConfig",
     "GenerationRequest",

@@ -37,6 +37,8 @@ class EngineConfig:
     ttff_budget_s: float = 1.0
     # Most chunks (of different streams) decoded in one VAE batch.
     max_decode_batch: int = 8
+    # Most branches one fork may ask for (`AsyncEngine.fork`).
+    max_fork_branches: int = 16
     # Actions may be queued at most this many video frames ahead of generation.
     max_actions_ahead: int = 4096
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

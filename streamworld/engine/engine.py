@@ -38,11 +38,19 @@ from .kv_cache import KVCache, default_pages
 from .kv_modes import PREFILL, PREFILL_CHUNK, num_kv_versions, unit_kv_access
 from .kv_pool import KVPagePool, PageTable, Stage, pages_needed
 from .placement import single_device
-from .request import PRIORITY_CLASSES, Overloaded, StreamRequest, Unsupported, validate_stream_request
+from .request import (
+    PRIORITY_CLASSES,
+    BranchRequest,
+    Overloaded,
+    StreamRequest,
+    Unsupported,
+    validate_branch,
+    validate_stream_request,
+)
 from .runner import Decoded, ModelRunner, UnitResult, Work, placed_devices
 from .scheduler import ReadyUnit, Scheduler
 from .stats import EngineStats, TraceEvent, ema
-from .stream import ActionTrack, ChunkOutput, ChunkState, Stream, chunk_duration_s
+from .stream import ActionTrack, ChunkOutput, ChunkState, PendingFork, Stream, chunk_duration_s
 
 log = logging.getLogger("streamworld.engine")
 
@@ -165,6 +173,65 @@ class AsyncEngine:
         must_wait = bool(self.waiting) or not self.pool.can_reserve(need)
         if must_wait and len(self.waiting) >= self.config.max_queue:
             raise Overloaded("the server is at capacity and its admission queue is full")
+        stream = self._new_stream(request, kv_mode)
+        if request.actions is not None and cfg.action_dim:
+            stream.actions.push(request.actions)
+        handle = self._handles[stream.id]
+        self.waiting.append(stream.id)
+        self._admit_waiting()
+        self._poke()
+        return handle
+
+    def fork(self, stream_id: int, branches: list[BranchRequest]) -> list[StreamHandle]:
+        """Forks a running stream into branches that share its history (DESIGN.md, forks).
+
+        The fork point is the stream's next chunk not yet started when the fork is asked:
+        the stream starts no chunk until every chunk before it has run and been decoded;
+        then each branch takes a copy of its page table (the pages shared, counted once per
+        table), a fork of its decoder state, its prompt and its queued actions, and goes on
+        from there with its own actions, seed and chunk count; the stream resumes. Each
+        branch reserves its worst case of pages now, so a fork that is accepted never waits
+        for memory. ValueError for an unknown, finished or stopping stream, one with a fork
+        pending, a bad branch or more than `max_fork_branches`; Overloaded when the pages
+        of the branches cannot be reserved now.
+        """
+        parent = self.streams.get(stream_id)
+        if parent is None:
+            raise ValueError(f"no stream {stream_id} here (unknown, or ended)")
+        if not parent.live or parent.stopping or not parent.wants_more():
+            state = "stopping" if parent.stopping and parent.live else parent.status
+            raise ValueError(f"stream {stream_id} is {state}: only a running stream can fork")
+        if parent.pending_fork is not None:
+            raise ValueError(f"stream {stream_id} has a fork pending")
+        if not 1 <= len(branches) <= self.config.max_fork_branches:
+            raise ValueError(f"a fork has 1 to {self.config.max_fork_branches} branches, not {len(branches)}")
+        for branch in branches:
+            validate_branch(self.model.config, branch)
+        need = self._pages_for(parent.kv_mode)
+        if not self.pool.can_reserve(need * len(branches)):
+            free = self.pool.pages_per_stage - self.pool.reserved
+            raise Overloaded(
+                f"{len(branches)} branches need {need * len(branches)} pages per stage; {free} are free"
+            )
+        self.pool.reserve(need * len(branches))
+        handles = []
+        for branch in branches:
+            request = dataclasses.replace(
+                parent.request,
+                seed=parent.request.seed if branch.seed is None else branch.seed,
+                image=None,
+                actions=None,
+                priority=branch.priority or parent.request.priority,
+            )
+            stream = self._new_stream(request, parent.kv_mode, status="forking")
+            stream.paced = branch.paced
+            handles.append(self._handles[stream.id])
+        parent.pending_fork = PendingFork([h.id for h in handles], list(branches), need)
+        self._poke()
+        return handles
+
+    def _new_stream(self, request: StreamRequest, kv_mode: str, status: str = "waiting") -> Stream:
+        cfg = self.model.config
         stream = Stream(
             id=next(self._ids),
             request=request,
@@ -177,16 +244,29 @@ class AsyncEngine:
             actions=ActionTrack(cfg.action_dim),
             output=asyncio.Queue(),
             prompt=request.prompt,
+            status=status,
         )
-        if request.actions is not None and cfg.action_dim:
-            stream.actions.push(request.actions)
         self.streams[stream.id] = stream
-        handle = StreamHandle(self, stream)
-        self._handles[stream.id] = handle
-        self.waiting.append(stream.id)
-        self._admit_waiting()
-        self._poke()
-        return handle
+        self._handles[stream.id] = StreamHandle(self, stream)
+        return stream
+
+    def _forks_due(self) -> None:
+        for stream in [s for s in self.streams.values() if s.pending_fork is not None and s.between_chunks]:
+            self._branch(stream)
+
+    def _branch(self, parent: Stream) -> None:
+        """Starts the branches of `parent`'s pending fork (`parent` is between chunks)."""
+        fork, parent.pending_fork = parent.pending_fork, None
+        assert fork is not None and parent.page_table is not None
+        now = time.monotonic()
+        for sid, request in zip(fork.branches, fork.requests, strict=True):
+            stream = self.streams.get(sid)
+            if stream is None or stream.status != "forking":
+                continue  # ended before the fork point (its reservation went back then)
+            self.runner.fork_stream(parent.id, sid, stream.request.seed)
+            table = parent.page_table.fork(fork.pages)
+            stream.branch(parent, table, request.num_chunks, request.actions, now)
+            self._handles[sid]._admitted.set()
 
     # --- for replica sets (replicas.py) ------------------------------------------------------
     def admission_need(self, request: StreamRequest) -> int:
@@ -251,7 +331,7 @@ class AsyncEngine:
     def stop(self, stream_id: int) -> None:
         """Finishes the chunks already started, then ends the stream as completed."""
         stream = self._get(stream_id)
-        if stream.status == "waiting":
+        if stream.status in ("waiting", "forking"):
             self.cancel(stream_id, reason="stopped")
             return
         for index in stream.stop_after_begun():
@@ -372,6 +452,7 @@ class AsyncEngine:
 
     def _turn(self, now: float) -> float | None:
         """One round of decisions; returns when the next chunk may start (None: no timer)."""
+        self._forks_due()
         started, next_time = self.scheduler.start_chunks(self.streams.values(), now, self.est_latency)
         for stream, chunk in started:
             self.runner.begin_chunk(stream.id, chunk)
@@ -521,6 +602,18 @@ class AsyncEngine:
 
     # --- ending streams -----------------------------------------------------------------------
     def _end(self, stream: Stream, status: str, reason: str, error: str | None = None) -> None:
+        fork = stream.pending_fork
+        if fork is not None:  # a stream that completes is between chunks: its branches go on
+            if status == "completed" and stream.next_decode == stream.next_chunk:
+                self._branch(stream)
+            else:
+                stream.pending_fork = None
+                for sid in fork.branches:
+                    if sid in self.streams:
+                        why = f"stream {stream.id} ended before the fork point"
+                        self._end(self.streams[sid], "error", "error", why)
+        if stream.status == "forking":  # a branch that never started: its reservation goes back
+            self.pool.unreserve(self._pages_for(stream.kv_mode))
         was_waiting = stream.status == "waiting"
         stream.status = status
         stream.error = error

@@ -33,7 +33,7 @@ class StreamHandle:
         self._engine = engine
         self.stream = stream
         self._admitted = asyncio.Event()
-        if stream.status != "waiting":
+        if stream.status not in ("waiting", "forking"):
             self._admitted.set()
 
     @property

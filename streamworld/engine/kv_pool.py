@@ -7,6 +7,13 @@ allocations never fail; pages that leave its attention window go back at once, a
 `release` returns the rest and the reservation. A page freed by a cancelled stream can be
 handed out at once: only its stage's executor touches the tensors, one batch at a time,
 so whatever still writes the page is ordered before its next user.
+
+Forks (engine.py): a branch's page table starts as a copy of its parent's, and each page
+they share counts one reference per table (`KVPagePool.share`); `free` drops one, and a
+page goes back to the free list when the last table lets it go, so it is freed exactly
+once. Tables only ever write the frames of their own chunks, which no other table holds
+(a fork happens between chunks), so a shared page is never written: `ensure` refuses to
+hand one out for writing.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class KVPagePool:
         self.num_stages = num_stages
         self.pages_per_stage = pages_per_stage
         self._free = [list(range(pages_per_stage - 1, -1, -1)) for _ in range(num_stages)]
+        self._refs = [[0] * pages_per_stage for _ in range(num_stages)]  # page tables holding each page
         self.reserved = 0  # pages per stage promised to admitted streams
 
     @property
@@ -77,10 +85,27 @@ class KVPagePool:
     def allocate(self, stage: int) -> int:
         if not self._free[stage]:
             raise PoolExhausted(f"stage {stage} has no free page")
-        return self._free[stage].pop()
+        page = self._free[stage].pop()
+        self._refs[stage][page] = 1
+        return page
+
+    def share(self, stage: int, page: int) -> None:
+        """One more page table holds `page`."""
+        if self._refs[stage][page] < 1:
+            raise RuntimeError(f"page {page} of stage {stage} is free and cannot be shared")
+        self._refs[stage][page] += 1
+
+    def refs(self, stage: int, page: int) -> int:
+        return self._refs[stage][page]
 
     def free(self, stage: int, page: int) -> None:
-        self._free[stage].append(page)
+        """One page table lets `page` go; it is free once none holds it."""
+        refs = self._refs[stage][page]
+        if refs < 1:
+            raise RuntimeError(f"page {page} of stage {stage} freed twice")
+        self._refs[stage][page] = refs - 1
+        if refs == 1:
+            self._free[stage].append(page)
 
 
 @dataclass
@@ -101,8 +126,19 @@ class PageTable:
             key = (stage, version, f)
             if key not in self.pages:
                 self.pages[key] = self.pool.allocate(stage)
+            elif self.pool.refs(stage, self.pages[key]) > 1:
+                raise RuntimeError(f"frame {f} (stage {stage}, version {version}) is shared with a fork")
             out.append(self.pages[key])
         return out
+
+    def fork(self, reserved: int) -> PageTable:
+        """A table for a branch: the same pages (each now held once more) and its own
+        reservation of `reserved` pages per stage, which the caller has made."""
+        for (stage, _, _), page in self.pages.items():
+            self.pool.share(stage, page)
+        return PageTable(
+            self.pool, self.num_versions, self.sink_frames, self.window_frames, reserved, dict(self.pages)
+        )
 
     def context_pages(self, stage: int, version: int, first_frame: int) -> list[int]:
         frames = context_frame_indices(first_frame, self.sink_frames, self.window_frames)

@@ -113,6 +113,8 @@ class GenerationRequest:
     prompt: str = ""
     # chunk index -> prompt used from that chunk on (the protocol's `prompt` message).
     prompt_changes: dict[int, str] = field(default_factory=dict)
+    # chunk index -> seed of that chunk's noise from there on (a fork's branch).
+    seed_changes: dict[int, int] = field(default_factory=dict)
     image: np.ndarray | None = None  # [H, W, 3] uint8, frame 0 of image-to-world models
     actions: np.ndarray | None = None  # [N, action_dim] float32, one row per video frame
     kv_mode: str | None = None
@@ -160,11 +162,13 @@ class ReferenceGenerator:
             self._prefill_image(req.image, text, cache, decoder, kv_mode, actions)
 
         latents, frames, chunk_frames, kv_bytes, decoder_bytes = [], [], [], [], []
+        seed = req.seed
         for c in range(req.num_chunks):
             if c in req.prompt_changes:
                 text = model.text_context(req.prompt_changes[c])
+            seed = req.seed_changes.get(c, seed)
             first = offset + c * fpc
-            x0 = self.denoise_chunk(req.seed, c, first, text, cache, kv_mode, actions)
+            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions)
             cache.evict(first + fpc)
             video = self._decode(x0, decoder)
             latents.append(x0.cpu())

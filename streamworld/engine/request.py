@@ -43,6 +43,35 @@ class StreamRequest:
     action_policy: str = "hold"
 
 
+@dataclass
+class BranchRequest:
+    """One branch of a fork (`AsyncEngine.fork`): its chunks after the fork point, the
+    actions of its video frames from the fork point on (the `hold` policy past them), the
+    seed of its noise (None: the parent's), its priority class (None: the parent's), and
+    whether its chunks keep to the playback clock or run as soon as they can."""
+
+    num_chunks: int
+    actions: np.ndarray | None = None
+    seed: int | None = None
+    priority: str | None = None
+    paced: bool = False
+
+
+def validate_branch(config: ModelConfig, branch: BranchRequest) -> None:
+    """ValueError with the reason when a branch cannot be run."""
+    if not 1 <= branch.num_chunks <= MAX_NUM_CHUNKS:
+        raise ValueError("a branch's num_chunks must be from 1 to 10**6")
+    if branch.actions is not None:
+        if config.action_dim == 0:
+            raise ValueError(f"model {config.id} takes no actions")
+        arr = np.asarray(branch.actions)
+        if arr.ndim != 2 or arr.shape[1] != config.action_dim:
+            raise ValueError(f"actions must be a list of vectors of length {config.action_dim}")
+        check_action_values(config, arr)
+    if branch.priority is not None and branch.priority not in PRIORITY_CLASSES:
+        raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)}")
+
+
 def validate(
     config: ModelConfig,
     *,

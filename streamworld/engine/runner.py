@@ -183,6 +183,14 @@ class ModelRunner:
         self.streams[stream_id] = state
         return state.decoder.signature()
 
+    def fork_stream(self, parent_id: int, branch_id: int, seed: int) -> None:
+        """A branch's state: the parent's prompt K/V and first image (shared, read-only) and
+        a fork of its decoder state (the parent is between chunks: no decode in flight)."""
+        parent = self.streams[parent_id]
+        self.streams[branch_id] = StreamTensors(
+            seed, parent.decoder.fork(), parent.prompt, parent.text, parent.image_latent
+        )
+
     def close_stream(self, stream_id: int) -> None:
         # A decode in flight keeps its own references (DecodeJob): nothing is reset under it.
         self.streams.pop(stream_id, None)

@@ -4,13 +4,15 @@ metadata (stream.py). It decides; it never computes, and it holds no tensors.
 - `next_admission`: streams are admitted first come, first served, head of line: a stream
   whose pages do not fit yet is not overtaken by smaller ones behind it.
 - `start_chunks`: when a stream may start its next chunk. Not before the previous chunk
-  has written the K/V the first unit reads; not while its playback clock is paused; with
+  has written the K/V the first unit reads; not while its playback clock is paused or a
+  fork of it waits for the stream to be between chunks; with
   the `wait` action policy, not before the actions of all its frames are known; at most
   `num_steps` chunks of one stream at once (the noisy pipeline's depth); and never earlier
   than `lookahead_chunks` chunk durations before the chunk's deadline (bounded lookahead: a
   stream does not run far ahead of its playback clock, which saves K/V and keeps
   action-to-frame latency low). `interactive` streams start as late as their deadline
   allows (deadline - estimated chunk latency - margin), so the newest actions make it in.
+  Unpaced streams (a fork's branches, by default) start as soon as the rest allows.
 - `ready_units`: the next unit of every chunk whose context is written (kv_modes.py).
 - `next_batch`: of one executor's ready units, the most urgent one (priority class first,
   `interactive` > `standard` > `batch`, then earliest deadline) plus other ready units of
@@ -98,8 +100,12 @@ class Scheduler:
                 started.append((stream, stream.start_prefill(now)))
             while self._may_start(stream):
                 est = stream.est_latency if stream.est_latency is not None else est_latency
-                start_at = self.chunk_start_time(
-                    stream.deadline(stream.next_chunk), stream.priority, stream.chunk_duration, est
+                start_at = (
+                    self.chunk_start_time(
+                        stream.deadline(stream.next_chunk), stream.priority, stream.chunk_duration, est
+                    )
+                    if stream.paced
+                    else now
                 )
                 if now < start_at:
                     next_time = start_at if next_time is None else min(next_time, start_at)
@@ -111,7 +117,7 @@ class Scheduler:
 
     def _may_start(self, stream: Stream) -> bool:
         """May the stream's next chunk start, its clock aside?"""
-        if stream.paused_since is not None or not stream.wants_more():
+        if stream.paused_since is not None or not stream.wants_more() or stream.pending_fork is not None:
             return False
         if len(stream.chunks) > self.num_steps:  # in-flight cap
             return False

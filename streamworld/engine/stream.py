@@ -155,6 +155,15 @@ class ChunkOutput:
 
 
 @dataclass
+class PendingFork:
+    """A fork asked of a stream: its branches start once the stream is between chunks."""
+
+    branches: list[int]  # the branch streams' ids
+    requests: list[Any]  # their BranchRequests
+    pages: int  # pages per stage each branch reserved
+
+
+@dataclass
 class Stream:
     id: int
     request: StreamRequest
@@ -168,7 +177,9 @@ class Stream:
     output: asyncio.Queue
     prompt: str = ""
     text_ready: bool = False  # `prompt` is encoded (runner.py holds its K/V)
-    status: str = "waiting"  # waiting, running, completed, cancelled, error
+    # waiting (for pages), forking (a branch before its fork point), running, completed,
+    # cancelled, error
+    status: str = "waiting"
     error: str | None = None
     started_at: float | None = None
     page_table: PageTable | None = None
@@ -184,6 +195,22 @@ class Stream:
     est_latency: float | None = None  # EMA of this stream's chunk latency (first unit -> frames)
     paused_s: float = 0.0  # total time the playback clock was paused (backpressure)
     paused_since: float | None = None
+    paced: bool = True  # chunks keep to the playback clock; False: as soon as they can
+    pending_fork: PendingFork | None = None  # no chunk starts until it is done
+    parent: int | None = None  # a branch: the stream it was forked from
+    fork_chunk: int | None = None  # a branch: its first chunk
+
+    @property
+    def between_chunks(self) -> bool:
+        """Every chunk started has run and been decoded, and nothing is being encoded: the
+        point a fork branches from."""
+        return (
+            self.live
+            and not self.chunks
+            and not self.prefill_pending
+            and self.next_decode == self.next_chunk
+            and self.text_ready
+        )
 
     @property
     def live(self) -> bool:
@@ -250,6 +277,28 @@ class Stream:
         return self.actions.known >= actions_needed(first, cfg.latent_frames_per_chunk, cfg.temporal_ratio)
 
     # --- transitions ----------------------------------------------------------------------
+    def branch(
+        self, parent: Stream, page_table: PageTable, num_chunks: int, actions: np.ndarray | None, now: float
+    ) -> None:
+        """Starts this stream as a branch of `parent`, which is `between_chunks`: it goes on
+        from the parent's next chunk with the parent's K/V (`page_table`, shared), prompt and
+        queued actions, then `actions` from that chunk's first video frame, for `num_chunks`
+        chunks; its first chunk's deadline is `now` plus the first-chunk budget."""
+        c = parent.next_chunk
+        self.parent, self.fork_chunk = parent.id, c
+        self.page_table = page_table
+        self.decoder_signature = parent.decoder_signature
+        self.next_chunk = self.next_decode = self.delivered = c
+        self.request.num_chunks = c + num_chunks
+        self.actions = ActionTrack(parent.actions.action_dim)
+        self.actions.base, self.actions.last = parent.actions.base, parent.actions.last.copy()
+        self.actions.frames = parent.actions.frames.copy()
+        if actions is not None:
+            self.actions.push(actions, self.chunk_video_start(c))
+        self.prompt, self.text_ready, self.image_ready = parent.prompt, True, True
+        self.status = "running"
+        self.started_at = now - c * self.chunk_duration  # deadline(c) = now + ttff budget
+
     def admit(self, page_table: PageTable, decoder_signature: tuple, now: float) -> None:
         self.page_table = page_table
         self.decoder_signature = decoder_signature

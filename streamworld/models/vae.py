@@ -55,6 +55,11 @@ class DecoderState:
         """Bytes held by the cached feature tensors."""
         return sum(t.numel() * t.element_size() for t in self.feat_cache if isinstance(t, Tensor))
 
+    def fork(self) -> DecoderState:
+        """A state that continues from here independently. Decoding replaces slots and never
+        writes into a cached tensor, so the two share the tensors they hold now."""
+        return DecoderState(list(self.feat_cache), self.latent_frames)
+
     def reset(self) -> None:
         """Forget everything: the next latent frame decodes as the first of a new stream."""
         self.feat_cache = [None] * len(self.feat_cache)

@@ -183,6 +183,69 @@ class _ChunkSequence:
     next_frame: int | None = None  # None until the first chunk fixes it
 
 
+class Branch:
+    """One branch of a fork (`StreamWorldClient.fork`): its chunks, then how it ended."""
+
+    def __init__(self, client: StreamWorldClient, number: int, fmt: str) -> None:
+        self.client = client
+        self.number = number  # the session's branch number, from 1
+        self.format = fmt
+        self.done_reason: str | None = None  # completed, cancelled or error (branch.done)
+        self.chunks_done: int | None = None
+        self.message: str | None = None  # why it failed, for `error`
+        self._incoming: asyncio.Queue[_Payload | _EndOfStream] = asyncio.Queue()
+        self._sequence = _ChunkSequence()
+        self._ended = False
+        self._decoder = (
+            make_decoder(fmt, client.info.width, client.info.height, None)
+            if client.decode and client.info is not None
+            else None
+        )
+
+    def __repr__(self) -> str:
+        return f"Branch(number={self.number}, format={self.format!r}, done_reason={self.done_reason!r})"
+
+    def _end(self, error: StreamWorldError | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._incoming.put_nowait(_EndOfStream(error))
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Yields the branch's chunks (indices from the fork point on) until `branch.done`;
+        StreamWorldError when the branch fails or the connection closes first."""
+        while True:
+            item = await self._incoming.get()
+            if isinstance(item, _EndOfStream):
+                self._incoming.put_nowait(item)
+                if item.error is not None:
+                    raise item.error
+                return
+            yield await self.client._to_chunk(item, self._decoder)
+
+    async def cancel(self) -> None:
+        """Cancels the branch; `chunks()` then ends (`done_reason` cancelled)."""
+        await self.client._send({"type": "branch.cancel", "branch": self.number})
+
+
+def _branch_message(spec: dict[str, Any]) -> dict[str, Any]:
+    """A branch of `session.fork` from a dict with num_chunks, and optionally actions (any
+    [N, action_dim] sequence or array), seed and paced."""
+    unknown = set(spec) - {"num_chunks", "actions", "seed", "paced"}
+    if unknown:
+        raise ValueError(f"unknown branch fields {sorted(unknown)}")
+    out: dict[str, Any] = {"num_chunks": int(spec["num_chunks"])}
+    if spec.get("actions") is not None:
+        actions = np.asarray(spec["actions"], dtype=np.float64)
+        if actions.ndim != 2:
+            raise ValueError(f"a branch's actions must be [N, action_dim], got shape {actions.shape}")
+        out["actions"] = actions.tolist()
+    if spec.get("seed") is not None:
+        out["seed"] = int(spec["seed"])
+    if spec.get("paced") is not None:
+        out["paced"] = bool(spec["paced"])
+    return out
+
+
 def _json(message: dict[str, Any]) -> str:
     return json.dumps(message, allow_nan=False, separators=(",", ":"))
 
@@ -281,6 +344,9 @@ class StreamWorldClient:
         self._ping_ids = itertools.count()
         self._decoder: ChunkDecoder | None = None
         self._consume = asyncio.Lock()  # chunks are decoded one at a time, in order
+        self.branches: dict[int, Branch] = {}  # every branch of this session's forks
+        self._forks: dict[str, tuple[asyncio.Future[list[Branch]], str]] = {}  # id -> (waiter, format)
+        self._fork_ids = itertools.count()
 
     def __repr__(self) -> str:
         model = self.start_message.get("model")
@@ -441,8 +507,12 @@ class StreamWorldClient:
                 "protocol",
                 f"chunk {pending['index']}: payload of {len(data)} bytes, not {pending['bytes']}",
             )
-        self._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
-        self.chunks_received += 1
+        branch = self.branches.get(pending["branch"]) if "branch" in pending else None
+        if branch is not None:
+            branch._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
+        else:
+            self._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
+            self.chunks_received += 1
         sequence.pending = None
 
     def _take_message(self, sequence: _ChunkSequence, message: dict[str, Any]) -> None:
@@ -451,8 +521,21 @@ class StreamWorldClient:
             self._take_chunk_meta(sequence, message)
         elif kind == "pong":
             self._resolve_pong(message)
+        elif kind == "error" and message.get("id") in self._forks:
+            waiter, _ = self._forks.pop(message["id"])
+            if not waiter.done():
+                waiter.set_exception(self._error_from(message))
         elif kind == "error":
             self.errors.append(self._error_from(message))
+        elif kind == "session.forked":
+            self._take_forked(message)
+        elif kind == "branch.done":
+            branch = self.branches.get(message.get("branch"))
+            if branch is not None:
+                branch.done_reason, branch.chunks_done = message.get("reason"), message.get("chunks")
+                branch.message = message.get("message")
+                failed = branch.done_reason == "error"
+                branch._end(StreamWorldError("internal", branch.message or "failed") if failed else None)
         elif kind == "session.done":
             self._state = "done"
             self.done_reason = message.get("reason")
@@ -465,10 +548,30 @@ class StreamWorldClient:
     def _take_chunk_meta(self, sequence: _ChunkSequence, meta: dict[str, Any]) -> None:
         if sequence.pending is not None:
             raise StreamWorldError("protocol", f"chunk {sequence.pending['index']} has no payload")
-        self._check_chunk(meta, sequence.next_index, sequence.next_frame)
-        sequence.next_index = meta["index"] + 1
-        sequence.next_frame = meta["first_frame"] + meta["num_frames"]
+        own = sequence
+        if "branch" in meta:
+            branch = self.branches.get(meta["branch"])
+            if branch is None:
+                raise StreamWorldError("protocol", f"chunk of unknown branch {meta['branch']!r}")
+            own = branch._sequence
+            if own.next_frame is None:  # a branch's first chunk: the fork point
+                own.next_index = meta.get("index")
+            self._check_chunk(meta, own.next_index, own.next_frame, branch.format)
+        else:
+            self._check_chunk(meta, sequence.next_index, sequence.next_frame)
+        own.next_index = meta["index"] + 1
+        own.next_frame = meta["first_frame"] + meta["num_frames"]
         sequence.pending = meta
+
+    def _take_forked(self, message: dict[str, Any]) -> None:
+        waiter, fmt = self._forks.pop(message.get("id"), (None, "jpeg"))
+        numbers = message.get("branches")
+        if not isinstance(numbers, list) or not all(isinstance(n, int) for n in numbers):
+            raise StreamWorldError("protocol", f"session.forked with branches {numbers!r}")
+        branches = [Branch(self, n, fmt) for n in numbers]
+        self.branches.update((b.number, b) for b in branches)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(branches)
 
     def _resolve_pong(self, message: dict[str, Any]) -> None:
         """Wakes the oldest `ping()` still waiting on this id."""
@@ -485,8 +588,11 @@ class StreamWorldClient:
                     waiter.set_exception(StreamWorldError("connection_closed", "the connection closed"))
         self._pongs.clear()
 
-    def _check_chunk(self, meta: dict[str, Any], index: int, first_frame: int | None) -> None:
+    def _check_chunk(
+        self, meta: dict[str, Any], index: int, first_frame: int | None, fmt: str | None = None
+    ) -> None:
         where = f"chunk {meta.get('index')}"
+        fmt = fmt or self.info.format
         for key in ("index", "first_frame", "num_frames", "bytes"):
             if not isinstance(meta.get(key), int):
                 raise StreamWorldError("protocol", f"{where}: {key!r} missing or not an integer")
@@ -496,15 +602,12 @@ class StreamWorldClient:
             raise StreamWorldError(
                 "protocol", f"{where} starts at frame {meta['first_frame']}, not {first_frame}"
             )
-        if (
-            self.info.format == "rgb"
-            and meta["bytes"] != meta["num_frames"] * self.info.height * self.info.width * 3
-        ):
+        if fmt == "rgb" and meta["bytes"] != meta["num_frames"] * self.info.height * self.info.width * 3:
             raise StreamWorldError(
                 "protocol", f"{where}: {meta['bytes']} bytes of rgb for {meta['num_frames']} frames"
             )
         sizes = meta.get("sizes")
-        if self.info.format in SIZED_FORMATS and (
+        if fmt in SIZED_FORMATS and (
             not isinstance(sizes, list) or len(sizes) != meta["num_frames"] or sum(sizes) != meta["bytes"]
         ):
             raise StreamWorldError("protocol", f"{where}: sizes {sizes} do not match num_frames and bytes")
@@ -528,6 +631,13 @@ class StreamWorldClient:
         if not self._ended:
             self._ended = True
             self._incoming.put_nowait(_EndOfStream(error))
+        if error is not None or self._state == "closed" or self._closing:
+            gone = error or StreamWorldError("connection_closed", "the connection closed")
+            for branch in self.branches.values():
+                branch._end(gone)
+            for waiter, _ in self._forks.values():
+                if not waiter.done():
+                    waiter.set_exception(gone)
 
     async def chunks(self) -> AsyncIterator[Chunk]:
         """Yields the session's chunks in order until `session.done`.
@@ -551,14 +661,14 @@ class StreamWorldClient:
                 with contextlib.suppress(StreamWorldError):  # the session may just have ended
                     await self.ack(chunk.index)
 
-    async def _to_chunk(self, item: _Payload) -> Chunk:
+    async def _to_chunk(self, item: _Payload, decoder: ChunkDecoder | None = None) -> Chunk:
         meta = item.meta
         frames = None
-        if self._decoder is not None:
+        decoder = decoder or self._decoder
+        if decoder is not None:
             try:
-                frames = await asyncio.to_thread(
-                    self._decoder.decode, item.data, meta["num_frames"], meta.get("sizes")
-                )
+                sizes = meta.get("sizes")
+                frames = await asyncio.to_thread(decoder.decode, item.data, meta["num_frames"], sizes)
             except (ValueError, av.FFmpegError, OSError) as e:
                 raise StreamWorldError(
                     "protocol", f"chunk {meta['index']}: the {self.info.format} payload does not decode: {e}"
@@ -614,6 +724,35 @@ class StreamWorldClient:
     async def ack(self, index: int) -> None:
         """Tells the server that every chunk up to `index` has been consumed (see `ack=`)."""
         await self._send({"type": "ack", "chunk": int(index)})
+
+    async def fork(
+        self, branches: Sequence[dict[str, Any]], format: str | None = None, timeout: float | None = 30.0
+    ) -> list[Branch]:
+        """Forks the session into branches that share its history (`session.fork`).
+
+        Each branch is a dict: `num_chunks` (required), `actions` ([N, action_dim], from the
+        fork point's first video frame), `seed` (default: the session's) and `paced` (default
+        False: as fast as the server can). `format`: "jpeg" or "rgb" (default: the session's
+        if it is one of them, else jpeg). Returns the branches once the server has accepted
+        them; their chunks start at the fork point, the session's next chunk not yet started.
+        Raises StreamWorldError with the server's reason when the fork is refused.
+        """
+        fork_id = f"fork-{next(self._fork_ids)}"
+        session_format = self.info.format if self.info is not None else None
+        fmt = format or (session_format if session_format in ("jpeg", "rgb") else "jpeg")
+        message: dict[str, Any] = {
+            "type": "session.fork",
+            "id": fork_id,
+            "branches": [_branch_message(b) for b in branches],
+            "format": fmt,
+        }
+        waiter: asyncio.Future[list[Branch]] = asyncio.get_running_loop().create_future()
+        self._forks[fork_id] = (waiter, fmt)
+        try:
+            await self._send(message)
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._forks.pop(fork_id, None)
 
     async def stop(self) -> None:
         """Asks the server to finish the chunk in flight and end the session (`chunks()` then ends)."""

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .request import StreamError
+from .request import BranchRequest, StreamError
 from .stream import ChunkOutput, Stream
 
 
@@ -24,6 +24,7 @@ class StreamControl(Protocol):
     def set_paused(self, stream_id: int, paused: bool) -> None: ...
     def stop(self, stream_id: int) -> None: ...
     def cancel(self, stream_id: int, reason: str = "cancelled") -> None: ...
+    def fork(self, stream_id: int, branches: list[BranchRequest]) -> list[StreamHandle]: ...
 
 
 class StreamHandle:
@@ -90,6 +91,21 @@ class StreamHandle:
 
     def cancel(self) -> None:
         self._engine.cancel(self.id)
+
+    def fork(self, branches: list[BranchRequest]) -> list[StreamHandle]:
+        """Branches of this stream (`AsyncEngine.fork`); each handle starts once the stream
+        reaches the fork point."""
+        return self._engine.fork(self.id, branches)
+
+    @property
+    def backlog(self) -> int:
+        """Chunks delivered to this handle and not yet taken from it."""
+        return self.stream.output.qsize()
+
+    @property
+    def fork_chunk(self) -> int | None:
+        """A branch's first chunk (known once it has started), else None."""
+        return self.stream.fork_chunk
 
     def stop(self) -> None:
         self._engine.stop(self.id)

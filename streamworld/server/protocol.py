@@ -19,7 +19,7 @@ import numpy as np
 
 # MAX_NUM_CHUNKS: chunks one session may ask for (about 9 hours at 16 fps and 12 frames a
 # chunk); null asks for an open-ended stream. The engine holds the same bound.
-from ..engine import ACTION_POLICIES, MAX_NUM_CHUNKS, PRIORITY_CLASSES, ChunkOutput
+from ..engine import ACTION_POLICIES, MAX_NUM_CHUNKS, PRIORITY_CLASSES, BranchRequest, ChunkOutput
 from ..media import FORMATS
 from ..models.config import ModelConfig, widened_action_range
 
@@ -65,13 +65,16 @@ MAX_CLOSE_REASON = 120
 
 
 class ProtocolError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, reply_to: Any = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        # The `id` of the request this error answers (a refused `session.fork`), if any.
+        self.reply_to = reply_to
 
-    def to_message(self) -> dict[str, str]:
-        return {"type": "error", "code": self.code, "message": self.message}
+    def to_message(self) -> dict[str, Any]:
+        message = {"type": "error", "code": self.code, "message": self.message}
+        return message if self.reply_to is None else {**message, "id": self.reply_to}
 
 
 @dataclass
@@ -335,6 +338,79 @@ def parse_ack(msg: dict[str, Any], chunks_sent: int) -> int:
     return chunk
 
 
+# Forks (`session.fork`, an extension): branches one fork may ask for, chunks one branch may
+# ask for, and branches one session may have running at once. Together with the pause of a
+# branch whose sent chunks back up (`pause_chunks`), they bound what a fork can hold.
+MAX_FORK_BRANCHES = 16
+MAX_BRANCH_CHUNKS = 64
+MAX_SESSION_BRANCHES = 32
+# Payload formats a branch may use: each chunk is encoded on its own (no codec state).
+BRANCH_FORMATS = ("jpeg", "rgb")
+
+
+@dataclass
+class ForkMessage:
+    id: Any  # echoed in `session.forked`
+    branches: list[BranchRequest]
+    format: str
+
+
+def parse_fork(msg: dict[str, Any], cfg: ModelConfig, session_format: str) -> ForkMessage:
+    """A `session.fork` message (docs/protocol.md)."""
+    fork_id = echo_id(msg, "id")
+    branches = msg.get("branches")
+    if not isinstance(branches, list) or not 1 <= len(branches) <= MAX_FORK_BRANCHES:
+        raise ProtocolError("bad_request", f"'branches' must be a list of 1 to {MAX_FORK_BRANCHES} branches")
+    default = session_format if session_format in BRANCH_FORMATS else "jpeg"
+    fmt = _choice(msg, "format", BRANCH_FORMATS, default, code="unsupported")
+    out = []
+    for i, b in enumerate(branches):
+        if not isinstance(b, dict):
+            raise ProtocolError("bad_request", f"branches[{i}] must be an object")
+        num_chunks = b.get("num_chunks")
+        if not isinstance(num_chunks, int) or isinstance(num_chunks, bool):
+            raise ProtocolError("bad_request", f"branches[{i}].num_chunks must be an integer")
+        if not 1 <= num_chunks <= MAX_BRANCH_CHUNKS:
+            raise ProtocolError(
+                "bad_request", f"branches[{i}].num_chunks must be from 1 to {MAX_BRANCH_CHUNKS}"
+            )
+        actions = None
+        if b.get("actions") is not None:
+            try:
+                actions = parse_action(b, cfg.action_dim, cfg.action_range).actions
+            except ProtocolError as e:
+                raise ProtocolError(e.code, f"branches[{i}]: {e.message}") from None
+        try:
+            seed = _field(b, "seed", (int,), "an integer", None)
+            paced = _field(b, "paced", (bool,), "true or false", False)
+        except ProtocolError as e:
+            raise ProtocolError(e.code, f"branches[{i}]: {e.message}") from None
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ProtocolError("bad_request", f"branches[{i}].seed must be between 0 and 2**63 - 1")
+        out.append(BranchRequest(num_chunks, actions, seed, None, paced))
+    return ForkMessage(fork_id, out, fmt)
+
+
+def parse_branch_cancel(msg: dict[str, Any]) -> int:
+    branch = msg.get("branch")
+    if not isinstance(branch, int) or isinstance(branch, bool) or branch < 1:
+        raise ProtocolError("bad_request", "'branch' must be a branch number (an integer >= 1)")
+    return branch
+
+
+def echo_id(msg: dict[str, Any], name: str = "id") -> Any:
+    """A client value the server echoes (`ping`'s and `session.fork`'s `id`), bounded."""
+    value = msg.get(name)
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if len(text) > MAX_PING_ID_CHARS:
+        raise ProtocolError(
+            "bad_request",
+            f"'{name}' must be a string of at most {MAX_PING_ID_CHARS} characters "
+            f"or a JSON value at most {MAX_PING_ID_CHARS} characters long",
+        )
+    return value
+
+
 # --- server messages ------------------------------------------------------------------------
 
 
@@ -349,15 +425,7 @@ def error(code: str, message: str) -> dict[str, str]:
 
 def pong(ping: dict[str, Any]) -> dict[str, Any]:
     """The reply to a ping; ProtocolError when its `id` is too long to echo."""
-    ping_id = ping.get("id")
-    text = ping_id if isinstance(ping_id, str) else json.dumps(ping_id, ensure_ascii=False)
-    if len(text) > MAX_PING_ID_CHARS:
-        raise ProtocolError(
-            "bad_request",
-            f"a ping 'id' must be a string of at most {MAX_PING_ID_CHARS} characters "
-            f"or a JSON value at most {MAX_PING_ID_CHARS} characters long",
-        )
-    return {"type": "pong", "id": ping_id}
+    return {"type": "pong", "id": echo_id(ping, "id")}
 
 
 def session_queued(position: int) -> dict[str, Any]:
@@ -409,6 +477,15 @@ def chunk_header(chunk: ChunkOutput, payload: bytes, sizes: list[int] | None, en
     if sizes is not None:
         header["sizes"] = sizes
     return header
+
+
+def session_forked(fork_id: Any, branches: list[int]) -> dict[str, Any]:
+    return {"type": "session.forked", "id": fork_id, "branches": branches}
+
+
+def branch_done(branch: int, reason: str, chunks: int, message: str | None = None) -> dict[str, Any]:
+    done = {"type": "branch.done", "branch": branch, "reason": reason, "chunks": chunks}
+    return done if message is None else {**done, "message": message}
 
 
 def session_done(reason: str, chunks: int) -> dict[str, Any]:

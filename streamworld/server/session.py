@@ -4,7 +4,9 @@
         chunk + payload ... -> session.done -> close 1000
 
 Three tasks per session: the reader (client messages), the pump (engine chunks into the
-outgoing queue) and the writer (encode in the CPU pool, send). `pacing.py` bounds how far a
+outgoing queue) and the writer (encode in the CPU pool, send); and one more per branch of a
+fork (`session.fork`), which encodes and sends that branch's chunks, tagged with its number,
+and pauses the branch while its chunks back up. `pacing.py` bounds how far a
 slow client may fall behind; `protocol.py` shapes every message and close code. A session
 knows the server only through its `SessionContext`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -44,6 +47,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamworld.server")
 
 __all__ = ["Session", "SessionContext", "SessionLimits"]
+
+
+@dataclass
+class _Branch:
+    number: int  # the session's own numbering, from 1
+    handle: StreamHandle
+    task: asyncio.Task | None = None
 
 
 @dataclass
@@ -93,6 +103,8 @@ class Session:
         # None while running; then "stopped", "error", "overloaded" (queued too long) or
         # "cancelled" (client gone).
         self.end_reason: str | None = None
+        self.branches: dict[int, _Branch] = {}  # running branches of forks, by number
+        self._branch_numbers = itertools.count(1)
 
     # --- what the server sees ----------------------------------------------------------------
     @property
@@ -154,6 +166,10 @@ class Session:
         finally:
             if self.handle is not None:
                 self.handle.cancel()
+            for branch in list(self.branches.values()):
+                branch.handle.cancel()
+                if branch.task is not None:
+                    branch.task.cancel()
             self.done.set()
 
     # --- ending --------------------------------------------------------------------------------
@@ -354,7 +370,11 @@ class Session:
                     await self._fail(err, CLOSE_UNSUPPORTED_DATA)
                     break
                 try:
-                    reply = self._handle_message(protocol.parse_json(msg.data))
+                    parsed = protocol.parse_json(msg.data)
+                    if parsed["type"] == "session.fork":
+                        await self._fork(parsed)
+                        continue
+                    reply = self._handle_message(parsed)
                 except ProtocolError as e:
                     reply = e.to_message()
                 if reply is not None:
@@ -393,6 +413,13 @@ class Session:
                 if self.end_reason is None:
                     self.end_reason = "stopped"
                 handle.stop()
+                for branch in list(self.branches.values()):
+                    branch.handle.stop()
+            elif kind == "branch.cancel":
+                number = protocol.parse_branch_cancel(parsed)
+                if number not in self.branches:
+                    raise ProtocolError("bad_request", f"no running branch {number}")
+                self.branches[number].handle.cancel()
             elif kind == "session.start":
                 raise ProtocolError("bad_request", "session.start may be sent only once")
             else:
@@ -400,6 +427,79 @@ class Session:
         except KeyError:
             pass  # the stream has already ended; late messages are ignored
         return None
+
+    # --- forks ---------------------------------------------------------------------------------
+    async def _fork(self, parsed: dict) -> None:
+        """`session.fork`: the branches start; `session.forked` goes out before any of their
+        chunks. A refusal is an `error` carrying the fork's `id`; the session goes on."""
+        fork_id = protocol.echo_id(parsed)
+        try:
+            await self._start_branches(fork_id, protocol.parse_fork(parsed, self.cfg, self.start.format))
+        except ProtocolError as e:
+            raise ProtocolError(e.code, e.message, fork_id) from None
+
+    async def _start_branches(self, fork_id: Any, fork: protocol.ForkMessage) -> None:
+        if self.end_reason is not None:
+            raise ProtocolError("bad_request", "the session is ending and cannot fork")
+        if len(self.branches) + len(fork.branches) > protocol.MAX_SESSION_BRANCHES:
+            raise ProtocolError(
+                "bad_request",
+                f"a session may have {protocol.MAX_SESSION_BRANCHES} branches running; "
+                f"{len(self.branches)} are, and this fork asks for {len(fork.branches)} more",
+            )
+        try:
+            handles = self.handle.fork(fork.branches)
+        except Overloaded as e:
+            raise ProtocolError("overloaded", str(e)) from None
+        except (KeyError, ValueError) as e:
+            raise ProtocolError("bad_request", str(e).strip("'\"")) from None
+        branches = [_Branch(next(self._branch_numbers), h) for h in handles]
+        for b in branches:
+            self.branches[b.number] = b
+        await self.sender.send(protocol.session_forked(fork_id, [b.number for b in branches]))
+        for b in branches:
+            name = f"session-{self.id}-branch-{b.number}"
+            b.task = asyncio.create_task(self._branch_pump(b, fork.format), name=name)
+
+    async def _branch_pump(self, branch: _Branch, fmt: str) -> None:
+        """One branch's chunks, encoded and sent as `chunk` messages with its number, then
+        `branch.done`. The branch pauses while `pause_chunks` of its chunks wait."""
+        cfg, handle = self.cfg, branch.handle
+        encoder = make_encoder(fmt, cfg.width, cfg.height, cfg.fps)
+        loop = asyncio.get_running_loop()
+        sent, reason, message = 0, "completed", None
+
+        def pace() -> None:
+            with contextlib.suppress(KeyError):  # ended meanwhile
+                handle.set_paused(handle.backlog >= self.ctx.limits.pause_chunks)
+
+        try:
+            async for chunk in handle:
+                pace()
+                t0 = time.perf_counter()
+                encoded = await loop.run_in_executor(self.ctx.encode_pool, encoder.encode, chunk.frames)
+                encode_ms = (time.perf_counter() - t0) * 1e3
+                header = protocol.chunk_header(chunk, encoded.payload, encoded.sizes, encode_ms)
+                await self.sender.send({**header, "branch": branch.number}, encoded.payload)
+                sent += 1
+                pace()
+            if handle.status == "cancelled":
+                reason = "cancelled"
+        except StreamError as e:
+            reason, message = "error", str(e).splitlines()[0]
+        finally:
+            encoder.close()
+            self.branches.pop(branch.number, None)
+        with contextlib.suppress(*CLIENT_GONE):
+            await self.sender.send(protocol.branch_done(branch.number, reason, sent, message))
+
+    async def _finish_branches(self, reason: str) -> None:
+        """Before `session.done`: branches run to their end (completed, stopped), or are cancelled."""
+        for branch in list(self.branches.values()):
+            if reason not in ("completed", "stopped"):
+                branch.handle.cancel()
+        tasks = [b.task for b in self.branches.values() if b.task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _stalled(self) -> None:
         """The client stopped acknowledging: end the session, freeing its pages at once."""
@@ -466,6 +566,7 @@ class Session:
         if self.end_reason == "cancelled":
             return
         reason = self.end_reason or "completed"
+        await self._finish_branches(reason)
         self._finish(reason)
         chunks = self.pacing.chunks_sent
         if self.pacing.stalled:

@@ -1,0 +1,132 @@
+"""`session.fork` over the wire (an extension of protocol v1): branches arrive tagged with
+their number, equal the sequential reference, end with `branch.done`, and a refused fork is
+an `error` carrying the fork's id while the session goes on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from streamworld.client import StreamWorldClient, StreamWorldError
+from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+from tests.conftest import load_tiny
+from tests.test_server import TRANSPORTS, metric, start_server
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model):
+    act = load_tiny(action_dim=2)
+    object.__setattr__(act.config, "id", "tiny-act")
+    return {"tiny-wan": tiny_model, "tiny-act": act}
+
+
+@pytest.fixture(params=TRANSPORTS)
+async def served(models, request):
+    _, running = await start_server(models, transport=request.param)
+    yield f"ws://127.0.0.1:{running.port}/v1/stream", f"http://127.0.0.1:{running.port}"
+    await running.close()
+
+
+async def drain(branch) -> list:
+    return [ch async for ch in branch.chunks()]
+
+
+def actions_for(cfg, chunks: int, seed: int) -> np.ndarray:
+    frames = 1 + cfg.temporal_ratio * chunks * cfg.latent_frames_per_chunk
+    return np.random.default_rng(seed).uniform(-1, 1, size=(frames, 2)).round(3)
+
+
+async def test_branches_arrive_tagged_equal_the_reference_and_the_session_goes_on(served, models):
+    url, http = served
+    model = models["tiny-act"]
+    cfg = model.config
+    parent_actions, mine, theirs = (actions_for(cfg, 8, s) for s in (0, 1, 2))
+    async with StreamWorldClient(url, model="tiny-act", format="rgb", seed=5, action_policy="wait") as c:
+        await c.send_actions(parent_actions.tolist())
+        chunks = c.chunks()
+        await chunks.__anext__()
+        branches = await c.fork(
+            [{"num_chunks": 2, "actions": mine}, {"num_chunks": 2, "actions": theirs, "seed": 9}]
+        )
+        assert [b.number for b in branches] == [1, 2]
+        results = await asyncio.gather(*(drain(b) for b in branches))
+        fork = results[0][0].index
+        after = await chunks.__anext__()  # the session goes on past the fork point
+        while after.index < fork:
+            after = await chunks.__anext__()
+        await c.stop()
+        async for _ in chunks:
+            pass
+        assert c.done_reason == "stopped"
+    assert fork >= 1 and after.index == fork
+    assert [b.done_reason for b in branches] == ["completed", "completed"]
+    assert [b.chunks_done for b in branches] == [2, 2]
+    start = results[0][0].first_frame
+    gen = ReferenceGenerator(model)
+    for (seed, actions), got in zip(((5, mine), (9, theirs)), results, strict=True):
+        assert [ch.index for ch in got] == [fork, fork + 1]
+        assert all(ch.raw["branch"] in (1, 2) for ch in got)
+        fed = np.concatenate([parent_actions[:start], actions]).astype(np.float32)
+        ref = gen.generate(GenerationRequest(5, fork + 2, actions=fed, seed_changes={fork: seed}))
+        expected = ref.frames[sum(ref.chunk_frames[:fork]) :]
+        frames = np.concatenate([ch.frames for ch in got])
+        assert frames.shape == expected.shape
+        assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 2
+    for _ in range(100):
+        if await metric(http, "streamworld_kv_pages_used") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await metric(http, "streamworld_kv_pages_used") == 0
+
+
+@pytest.mark.parametrize(
+    "branches, fmt, code, message",
+    [
+        ([], None, "bad_request", "'branches' must be a list of 1 to 16 branches"),
+        ([{"num_chunks": 1}] * 17, None, "bad_request", "1 to 16 branches"),
+        ([{"num_chunks": 65}], None, "bad_request", "branches[0].num_chunks must be from 1 to 64"),
+        ([{"num_chunks": 1, "actions": [[0.0]]}], None, "bad_request", "branches[0]: actions[0] must be"),
+        ([{"num_chunks": 1, "seed": -1}], None, "bad_request", "branches[0].seed must be between"),
+        ([{"num_chunks": 1}], "h264", "unsupported", "'format' must be one of jpeg, rgb"),
+    ],
+)
+async def test_a_refused_fork_is_an_error_with_its_id_and_the_session_goes_on(
+    models, branches, fmt, code, message
+):
+    _, running = await start_server(models)
+    url = f"ws://127.0.0.1:{running.port}/v1/stream"
+    try:
+        async with StreamWorldClient(url, model="tiny-act", format="jpeg", num_chunks=3) as c:
+            with pytest.raises(StreamWorldError) as refused:
+                await c.fork(branches, format=fmt)
+            assert refused.value.code == code and message in refused.value.message
+            assert len([ch async for ch in c.chunks()]) == 3
+            assert c.done_reason == "completed"
+    finally:
+        await running.close()
+
+
+async def test_cancelling_a_branch_and_leaving_with_branches_running_free_every_page(served):
+    url, http = served
+    async with StreamWorldClient(url, model="tiny-act", format="jpeg") as c:
+        chunks = c.chunks()
+        await chunks.__anext__()
+        first, second = await c.fork([{"num_chunks": 64}, {"num_chunks": 64}])
+        stream = first.chunks()
+        await stream.__anext__()
+        await first.cancel()
+        async for _ in stream:
+            pass
+        assert first.done_reason == "cancelled"
+        await c._send({"type": "branch.cancel", "branch": 7})
+        await c.ping()  # answered after the cancel's reply
+        assert c.errors[-1].code == "bad_request" and "no running branch 7" in c.errors[-1].message
+    # The client left with the session and the second branch running.
+    for _ in range(200):
+        if await metric(http, "streamworld_kv_pages_used") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await metric(http, "streamworld_kv_pages_used") == 0
+    assert second.done_reason is None

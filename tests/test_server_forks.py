@@ -130,3 +130,22 @@ async def test_cancelling_a_branch_and_leaving_with_branches_running_free_every_
         await asyncio.sleep(0.05)
     assert await metric(http, "streamworld_kv_pages_used") == 0
     assert second.done_reason is None
+
+
+async def test_the_fork_example_of_the_protocol_doc_runs_as_written(served, models):
+    """The Python fork example of docs/protocol.md, taken from the file."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    section = doc.split("### Forks from Python", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {"asyncio": asyncio}
+    exec(code, namespace)
+    url, _ = served
+    cfg = models["tiny-act"].config
+    async with StreamWorldClient(url, model="tiny-act", format="jpeg") as c:
+        futures = await namespace["try_futures"](c, [actions_for(cfg, 2, s) for s in (3, 4, 5)])
+    assert len(futures) == 3
+    assert all(len(f) == 2 and f[0].shape[1:] == (cfg.height, cfg.width, 3) for f in futures)
+    assert not np.array_equal(futures[0][1], futures[1][1])  # different actions, different futures

@@ -83,7 +83,7 @@ async def test_branches_equal_the_reference_fed_the_parents_inputs_then_their_ow
     cases = ((3, branch_actions[0]), (9, branch_actions[1]))
     for (seed, actions), outputs in zip(cases, results, strict=True):
         assert [o.index for o in outputs] == [fork, fork + 1]
-        fed = np.concatenate([parent_actions[:video_start], actions])
+        fed = np.concatenate([parent_actions[: video_start - 1], actions])
         request = GenerationRequest(
             3, fork + 2, image=image, actions=fed, kv_mode=kv_mode, seed_changes={fork: seed}
         )
@@ -148,7 +148,7 @@ async def test_a_cancelled_branch_frees_only_what_it_alone_held():
         await collect(parent)
         assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
     video_start = parent.stream.chunk_video_start(fork)
-    fed = np.concatenate([actions[:video_start], b])
+    fed = np.concatenate([actions[: video_start - 1], b])
     request = GenerationRequest(1, fork + 2, image=image, actions=fed)
     assert_equal_to(rest, *reference_chunks(request, fork, 2))
 

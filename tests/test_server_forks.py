@@ -68,7 +68,7 @@ async def test_branches_arrive_tagged_equal_the_reference_and_the_session_goes_o
     for (seed, actions), got in zip(((5, mine), (9, theirs)), results, strict=True):
         assert [ch.index for ch in got] == [fork, fork + 1]
         assert all(ch.raw["branch"] in (1, 2) for ch in got)
-        fed = np.concatenate([parent_actions[:start], actions]).astype(np.float32)
+        fed = np.concatenate([parent_actions[: start - 1], actions]).astype(np.float32)
         ref = gen.generate(GenerationRequest(5, fork + 2, actions=fed, seed_changes={fork: seed}))
         expected = ref.frames[sum(ref.chunk_frames[:fork]) :]
         frames = np.concatenate([ch.frames for ch in got])

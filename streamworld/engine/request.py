@@ -45,10 +45,12 @@ class StreamRequest:
 
 @dataclass
 class BranchRequest:
-    """One branch of a fork (`AsyncEngine.fork`): its chunks after the fork point, the
-    actions of its video frames from the fork point on (the `hold` policy past them), the
-    seed of its noise (None: the parent's), its priority class (None: the parent's), and
-    whether its chunks keep to the playback clock or run as soon as they can."""
+    """One branch of a fork (`AsyncEngine.fork`): its chunks after the fork point; its
+    actions, one per video frame, `actions[i]` conditioning the branch's i-th frame (they
+    replace the parent's queued actions from the frame before the fork point's first; the
+    `hold` policy past them; None: the parent's); the seed of its noise (None: the
+    parent's); its priority class (None: the parent's); and whether its chunks keep to the
+    playback clock or run as soon as they can."""
 
     num_chunks: int
     actions: np.ndarray | None = None

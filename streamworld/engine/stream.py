@@ -282,8 +282,10 @@ class Stream:
     ) -> None:
         """Starts this stream as a branch of `parent`, which is `between_chunks`: it goes on
         from the parent's next chunk with the parent's K/V (`page_table`, shared), prompt and
-        queued actions, then `actions` from that chunk's first video frame, for `num_chunks`
-        chunks; its first chunk's deadline is `now` plus the first-chunk budget."""
+        queued actions, for `num_chunks` chunks, with `actions` in place of the queued ones
+        from the video frame before that chunk's first (the action of frame n conditions
+        frame n + 1, so actions[i] conditions the branch's i-th frame); its first chunk's
+        deadline is `now` plus the first-chunk budget."""
         c = parent.next_chunk
         self.parent, self.fork_chunk = parent.id, c
         self.page_table = page_table
@@ -293,8 +295,8 @@ class Stream:
         self.actions = ActionTrack(parent.actions.action_dim)
         self.actions.base, self.actions.last = parent.actions.base, parent.actions.last.copy()
         self.actions.frames = parent.actions.frames.copy()
-        if actions is not None:
-            self.actions.push(actions, self.chunk_video_start(c))
+        if actions is not None:  # actions[0] conditions the branch's first frame
+            self.actions.push(actions, max(self.chunk_video_start(c) - 1, 0))
         self.prompt, self.text_ready, self.image_ready = parent.prompt, True, True
         self.status = "running"
         self.started_at = now - c * self.chunk_duration  # deadline(c) = now + ttff budget

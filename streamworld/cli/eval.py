@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", choices=("pusht",), help="the model to evaluate")
     parser.add_argument(
-        "--seeds", default="0-99", help="environment seeds, e.g. 0-99 or 1,5,9 (default 0-99)"
+        "--seeds", help="environment seeds, e.g. 0-99 or 1,5,9 (default 0-99; with --plan 0-49)"
     )
     parser.add_argument("--horizon", type=int, default=32, help="future frames compared (default 32)")
     parser.add_argument(
@@ -36,6 +36,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dit", metavar="PATH", help="weights to evaluate (default: the shipped ones)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", metavar="OUT", help="write the full report as JSON")
+    plan = parser.add_argument_group(
+        "planning (--plan)",
+        "Goal-reaching with the model as DINO-WM and stable-worldmodel evaluate it (docs/planning.md): "
+        "per seed, a start state and the state the recorded trajectory reaches --goal-steps later; the "
+        "cross-entropy method over the agent's targets, each iteration one fork of --samples branches; "
+        "model-predictive, replanning from the observed frame; success when agent and block are within "
+        "20 world units of the goal and the block within 20 degrees, within --budget steps.",
+    )
+    plan.add_argument("--plan", action="store_true", help="evaluate planning instead of prediction")
+    plan.add_argument("--goal-steps", type=int, default=25, help="steps from start to goal (default 25)")
+    plan.add_argument("--budget", type=int, default=50, help="environment steps per episode (default 50)")
+    plan.add_argument("--samples", type=int, default=16, help="branches per iteration (default 16)")
+    plan.add_argument("--elites", type=int, default=4, help="best candidates kept (default 4)")
+    plan.add_argument("--iterations", type=int, default=3, help="iterations per plan (default 3)")
+    plan.add_argument("--plan-horizon", type=int, default=24, help="steps each plan covers (default 24)")
+    plan.add_argument("--execute", type=int, help="steps run before replanning (default: the horizon)")
+    plan.add_argument("--knot-frames", type=int, default=4, help="steps a planned target holds (default 4)")
     parser.set_defaults(func=run)
 
 
@@ -45,9 +62,11 @@ def run(args: argparse.Namespace) -> int:
     from ..pusht.evaluate import evaluate, markdown_table, parse_seeds
 
     try:
-        seeds = parse_seeds(args.seeds)
+        seeds = parse_seeds(args.seeds or ("0-49" if args.plan else "0-99"))
     except ValueError as e:
         raise UsageError(f"--seeds: {e}") from None
+    if args.plan:
+        return run_plan(args, seeds)
     if args.horizon < 1:
         raise UsageError("--horizon must be at least 1")
     arguments.check_output_folder("--json", args.json)
@@ -64,3 +83,87 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
+    """`eval pusht --plan`: the planning evaluation (docs/planning.md)."""
+    import asyncio
+
+    from ..models import get_preset
+    from ..models.world_model import WeightPaths
+    from ..planning import CEMConfig
+
+    config = CEMConfig(
+        horizon=args.plan_horizon,
+        samples=args.samples,
+        elites=args.elites,
+        iterations=args.iterations,
+        knot_frames=args.knot_frames,
+    )
+    try:
+        config.check()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
+        raise UsageError("--goal-steps, --budget and --execute must be at least 1")
+    arguments.check_output_folder("--json", args.json)
+    if args.dit is not None and not Path(args.dit).exists():
+        raise UsageError(f"--dit: {args.dit} does not exist")
+    options = loading.LoadOptions(device=args.device, dtype="float32")
+    model = loading.load_world_model(get_preset(args.model), WeightPaths(dit=args.dit), options)
+    report = asyncio.run(_plan_episodes(model, seeds, config, args))
+    s = report["summary"]
+    print("| episodes | success | mean steps | plan s (mean / p90) | branches/s |")
+    print("| --- | --- | --- | --- | --- |")
+    print(
+        f"| {s['episodes']} | {s['success_rate']:.0%} | {s['mean_steps']:.1f} | "
+        f"{s['plan_seconds_mean']:.2f} / {s['plan_seconds_p90']:.2f} | {s['branches_per_second']:.1f} |"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from ..engine import AsyncEngine, EngineConfig, SchedulerConfig
+    from ..planning import EngineRollouts
+    from ..pusht.planning import make_task, run_episode, summary, timed
+
+    size = model.config.height
+    engine_config = EngineConfig(
+        ttff_budget_s=1e3,
+        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, config.samples)),
+        max_streams=config.samples + 1,
+        max_fork_branches=config.samples,
+    )
+    results = []
+    elapsed = timed()
+    async with AsyncEngine(model, engine_config) as engine:
+        bar = tqdm(seeds, desc="planning pusht", unit="episode")
+        for seed in bar:
+            task = make_task(seed, size, args.goal_steps)
+            result = await run_episode(
+                lambda frame, seed=seed: EngineRollouts(engine, frame, seed),
+                task,
+                config,
+                size,
+                budget=args.budget,
+                execute=args.execute,
+                seed=seed,
+            )
+            results.append(result)
+            bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
+    return {
+        "model": model.config.id,
+        "device": str(model.device),
+        "seeds": seeds,
+        "goal_steps": args.goal_steps,
+        "budget": args.budget,
+        "execute": args.execute or config.horizon,
+        "cem": vars(config),
+        "summary": summary(results, elapsed()),
+        "episodes": [r.to_json() for r in results],
+    }

@@ -139,20 +139,13 @@ def locate(frame: np.ndarray) -> Located:
     pixel rows and columns (the walls) are ignored.
     """
     h, w, _ = frame.shape
-    x = frame.astype(np.float64).reshape(-1, 3)
-    weights = (np.c_[x, np.ones(len(x))] @ _UNMIX.T).reshape(h, w, 4)
-    # The block's two shades unmix with a little of every colour; weights below the floor
-    # are that leakage, not the object.
-    weights = np.clip((weights - _FLOOR) / (1.0 - _FLOOR), 0.0, 1.0)
-    border = max(1, round(2 * h / 64))
-    weights[:border] = weights[-border:] = 0.0
-    weights[:, :border] = weights[:, -border:] = 0.0
+    weights = palette_weights(frame)
     ys, xs = np.mgrid[0:h, 0:w] + 0.5
     scale = h / 64
 
     def find(k: int, box: int, radius: float) -> tuple[float, float] | None:
         m = weights[..., k]
-        local = _box_mean(m, box)
+        local = box_mean(m, box)
         if local.max() < 0.5:
             return None
         py, px = np.unravel_index(int(np.argmax(local)), local.shape)
@@ -164,7 +157,22 @@ def locate(frame: np.ndarray) -> Located:
     return Located(agent=find(3, 3, 4.0 * scale), block=find(2, 3, 10.0 * scale))
 
 
-def _box_mean(m: np.ndarray, size: int) -> np.ndarray:
+def palette_weights(frame: np.ndarray) -> np.ndarray:
+    """[H, W, 4]: how much of each pixel is white, goal green, block grey and agent blue
+    (0 to 1), with the two outermost rows and columns (the walls) set to 0."""
+    h, w, _ = frame.shape
+    x = frame.astype(np.float64).reshape(-1, 3)
+    weights = (np.c_[x, np.ones(len(x))] @ _UNMIX.T).reshape(h, w, 4)
+    # The block's two shades unmix with a little of every colour; weights below the floor
+    # are that leakage, not the object.
+    weights = np.clip((weights - _FLOOR) / (1.0 - _FLOOR), 0.0, 1.0)
+    border = max(1, round(2 * h / 64))
+    weights[:border] = weights[-border:] = 0.0
+    weights[:, :border] = weights[:, -border:] = 0.0
+    return weights
+
+
+def box_mean(m: np.ndarray, size: int) -> np.ndarray:
     """Mean over a size x size neighbourhood (zero padding), same shape as m."""
     pad = size // 2
     p = np.pad(m, pad)

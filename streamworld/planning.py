@@ -1,0 +1,157 @@
+"""Planning with the world model: the cross-entropy method over action sequences, each
+iteration one fork of many branches, model-predictive against a real environment.
+
+A planner asks the model "what happens if I do this?" for many candidate action sequences at
+once. With StreamWorld that is one `fork` of a stream started from the observed frame
+(`docs/planning.md`): the branches share the observation's K/V pages, are batched together
+like any streams, and come back as predicted frames. The cost compares each candidate's last
+predicted frame with the goal.
+
+    rollouts = EngineRollouts(engine, frame)      # or ClientRollouts over a server session
+    plan = await cem(rollouts, cost, start, CEMConfig())
+    ...execute plan.actions[:execute] in the real environment, observe, plan again
+
+The PushT pieces (its cost, expert goals, success test and the model-predictive episode)
+are in `streamworld.pusht.planning`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from .engine import AsyncEngine, BranchRequest, StreamRequest
+
+
+@dataclass(frozen=True)
+class CEMConfig:
+    horizon: int = 8  # video frames each candidate is rolled out for
+    samples: int = 16  # candidates (branches) per iteration
+    elites: int = 4  # best candidates the next distribution is fitted to
+    iterations: int = 3
+    knot_frames: int = 2  # actions are held for this many frames (fewer numbers to search)
+    init_std: float = 80.0  # of the first distribution around the start action, action units
+    min_std: float = 4.0
+    low: float = 0.0  # action bounds
+    high: float = 512.0
+
+    def check(self) -> None:
+        if self.horizon < 1 or self.samples < 2 or not 1 <= self.elites <= self.samples:
+            raise ValueError("need horizon >= 1, samples >= 2 and 1 <= elites <= samples")
+        if self.iterations < 1 or self.knot_frames < 1 or self.init_std <= 0 or self.min_std < 0:
+            raise ValueError("need iterations >= 1, knot_frames >= 1, init_std > 0 and min_std >= 0")
+
+
+class Rollouts(Protocol):
+    """candidates [K, H, action_dim] -> predicted frames [K, H, height, width, 3] (uint8),
+    frame h being the one action h leads to."""
+
+    def __call__(self, candidates: np.ndarray) -> Awaitable[np.ndarray]: ...
+
+
+@dataclass
+class Plan:
+    actions: np.ndarray  # [H, action_dim]: the best candidate of the last iteration
+    cost: float
+    frames: np.ndarray  # its predicted frames [H, height, width, 3]
+    costs: list[float] = field(default_factory=list)  # the best cost of each iteration
+    branches: int = 0  # rolled out in all
+    seconds: float = 0.0
+    mean: np.ndarray | None = None  # the last distribution's mean [knots, action_dim]
+
+
+async def cem(
+    rollouts: Rollouts,
+    cost: Callable[[np.ndarray], float],
+    start: np.ndarray,
+    config: CEMConfig,
+    rng: np.random.Generator,
+    mean: np.ndarray | None = None,
+) -> Plan:
+    """The cross-entropy method: sample `samples` piecewise-constant action sequences around
+    the mean (first: `start` held, or `mean`, e.g. the last plan shifted), roll them all out
+    as one fork, refit mean and spread to the `elites` cheapest, `iterations` times. `cost`
+    maps one candidate's predicted frames to a number (lower is better)."""
+    config.check()
+    t0 = time.perf_counter()
+    knots = -(-config.horizon // config.knot_frames)
+    dim = len(start)
+    mu = np.repeat(np.asarray(start, np.float64)[None], knots, 0) if mean is None else mean.astype(np.float64)
+    std = np.full((knots, dim), config.init_std)
+    best: Plan | None = None
+    history = []
+    for _ in range(config.iterations):
+        noise = rng.standard_normal((config.samples, knots, dim))
+        samples = np.clip(mu + std * noise, config.low, config.high)
+        samples[0] = np.clip(mu, config.low, config.high)  # the mean itself is always tried
+        candidates = np.repeat(samples, config.knot_frames, axis=1)[:, : config.horizon].astype(np.float32)
+        frames = await rollouts(candidates)
+        costs = np.array([cost(f) for f in frames])
+        order = np.argsort(costs)
+        elite = samples[order[: config.elites]]
+        mu, std = elite.mean(0), np.maximum(elite.std(0), config.min_std)
+        i = int(order[0])
+        history.append(float(costs[i]))
+        if best is None or costs[i] < best.cost:
+            best = Plan(candidates[i], float(costs[i]), frames[i])
+    assert best is not None
+    best.costs = history
+    best.branches = config.samples * config.iterations
+    best.seconds = time.perf_counter() - t0
+    best.mean = mu  # to warm-start the next plan
+    return best
+
+
+class EngineRollouts:
+    """Rollouts as forks of one stream of an in-process engine, started from `image` (a
+    model that takes a first frame and actions). The stream uses the `wait` action policy
+    and is given no actions, so it never generates a chunk itself: every fork branches from
+    the observed frame, and all of them share its K/V pages."""
+
+    def __init__(self, engine: AsyncEngine, image: np.ndarray, seed: int = 0) -> None:
+        cfg = engine.model.config
+        if not cfg.needs_image or not cfg.action_dim:
+            raise ValueError(f"model {cfg.id} does not start from a frame and take actions")
+        self.engine = engine
+        self.frames_per_chunk = cfg.frames_per_chunk
+        self.handle = engine.open_stream(StreamRequest(seed=seed, image=image, action_policy="wait"))
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        horizon = candidates.shape[1]
+        chunks = -(-horizon // self.frames_per_chunk)
+        branches = [BranchRequest(chunks, actions=c) for c in candidates]
+        handles = self.handle.fork(branches)
+
+        async def frames(handle: Any) -> np.ndarray:
+            return np.concatenate([c.frames async for c in handle])[:horizon]
+
+        return np.stack(await asyncio.gather(*(frames(h) for h in handles)))
+
+    def close(self) -> None:
+        self.handle.cancel()
+
+
+class ClientRollouts:
+    """Rollouts as forks of a session on a StreamWorld server (`StreamWorldClient`, started
+    with the observed frame as `image`, `action_policy="wait"` and no actions)."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.frames_per_chunk = client.info.frames_per_chunk
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        horizon = candidates.shape[1]
+        chunks = -(-horizon // self.frames_per_chunk)
+        branches = await self.client.fork(
+            [{"num_chunks": chunks, "actions": c} for c in candidates], format="rgb"
+        )
+
+        async def frames(branch: Any) -> np.ndarray:
+            return np.concatenate([c.frames async for c in branch.chunks()])[:horizon]
+
+        return np.stack(await asyncio.gather(*(frames(b) for b in branches)))

@@ -1,0 +1,215 @@
+"""Goal-reaching on PushT with the world model: tasks, cost, success and the model-predictive
+episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.md).
+
+- **Task.** A start state and a goal: the state a recorded trajectory reaches
+  `GOAL_STEPS` (25) environment steps later. DINO-WM takes its trajectories from its PushT
+  dataset's validation split (goal_H 5 x frameskip 5); ours come from the scripted
+  controller that made the model's training data, on evaluation seeds, from a random step of
+  the trajectory.
+- **Success.** DINO-WM's test on the true state: the distance between (agent x, agent y,
+  block x, block y) and the goal's below 20 world units and the block's angle within pi/9.
+- **Budget.** 50 environment steps (stable-worldmodel's fixed budget); the plan is replanned
+  after `execute` steps (model-predictive control), from the newly observed frame.
+- **Cost.** How far the candidate's last predicted frame is from the goal frame: the pixel
+  distances of the agent and of the block from their places in the goal frame (the
+  project's locator), which fall smoothly as a candidate ends nearer, plus the squared
+  difference of the block's blurred colour weights, which compares the whole T shape and
+  so carries its angle. The model predicts frames only, and the cost reads frames only.
+
+Actions are the agent's target position in world units, as in gym-pusht (DINO-WM moves the
+target relative to the agent instead).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..planning import CEMConfig, Plan, Rollouts, cem
+from .evaluate import POLICY_SEED_OFFSET
+from .policy import ScriptedPolicy
+from .world import PushTWorld, Scene, box_mean, locate, palette_weights
+
+GOAL_STEPS = 25
+BUDGET = 50
+POSITION_TOLERANCE = 20.0  # world units, over agent and block positions together
+ANGLE_TOLERANCE = math.pi / 9
+MAX_START_STEP = 40  # the start is a random step 0..39 of the recorded trajectory
+
+
+@dataclass
+class Task:
+    seed: int
+    start_step: int
+    actions: np.ndarray  # the recorded actions up to the goal [start_step + goal_steps, 2]
+    goal_frame: np.ndarray
+    goal: Scene
+    goal_steps: int = GOAL_STEPS
+
+    def start(self, size: int) -> tuple[PushTWorld, np.ndarray]:
+        """The environment at the start state (the recorded actions replayed) and its frame."""
+        world = PushTWorld(size)
+        frame = world.reset(self.seed)
+        for a in self.actions[: self.start_step]:
+            frame = world.step(a)
+        return world, frame
+
+
+def make_task(seed: int, size: int, goal_steps: int = GOAL_STEPS) -> Task:
+    """The task of evaluation seed `seed` (reproducible)."""
+    start_step = int(np.random.default_rng(seed).integers(0, MAX_START_STEP))
+    world = PushTWorld(size)
+    policy = ScriptedPolicy(seed + POLICY_SEED_OFFSET)
+    frame = world.reset(seed)
+    actions = []
+    for _ in range(start_step + goal_steps):
+        actions.append(policy(world.scene))
+        frame = world.step(actions[-1])
+    task = Task(seed, start_step, np.asarray(actions, np.float32), frame, world.scene, goal_steps)
+    world.close()
+    return task
+
+
+def reached(scene: Scene, goal: Scene) -> bool:
+    """DINO-WM's success test on the true state."""
+    position = math.dist((*scene.agent, *scene.block[:2]), (*goal.agent, *goal.block[:2]))
+    turn = (scene.block[2] - goal.block[2] + math.pi) % (2 * math.pi) - math.pi
+    return position < POSITION_TOLERANCE and abs(turn) < ANGLE_TOLERANCE
+
+
+def state_error(scene: Scene, goal: Scene) -> tuple[float, float]:
+    """(position distance in world units, absolute angle difference in degrees)."""
+    position = math.dist((*scene.agent, *scene.block[:2]), (*goal.agent, *goal.block[:2]))
+    turn = (scene.block[2] - goal.block[2] + math.pi) % (2 * math.pi) - math.pi
+    return position, math.degrees(abs(turn))
+
+
+def _block_map(frame: np.ndarray) -> np.ndarray:
+    return box_mean(palette_weights(frame)[..., 2], 5)
+
+
+def frame_cost(goal_frame: np.ndarray, shape_weight: float = 200.0) -> Callable[[np.ndarray], float]:
+    """Cost of a candidate's predicted frames [H, S, S, 3] against the goal frame, from its
+    last frame (module docstring): the pixel distances of the agent and of the block from
+    where they are in the goal frame (`locate`; an object not seen costs the frame's size),
+    plus the mean squared difference of the block's blurred weight maps, which carries its
+    angle."""
+    size = goal_frame.shape[0]
+    goal = locate(goal_frame)
+    goal_block = _block_map(goal_frame)
+
+    def distance(p: tuple[float, float] | None, q: tuple[float, float] | None) -> float:
+        return float(size) if p is None or q is None else math.dist(p, q)
+
+    def cost(frames: np.ndarray) -> float:
+        last = frames[-1]
+        seen = locate(last)
+        shape = float(((_block_map(last) - goal_block) ** 2).mean())
+        return distance(seen.agent, goal.agent) + distance(seen.block, goal.block) + shape_weight * shape
+
+    return cost
+
+
+@dataclass
+class EpisodeResult:
+    seed: int
+    success: bool
+    steps: int  # environment steps taken (success ends the episode early)
+    plans: int
+    plan_seconds: list[float] = field(default_factory=list)
+    branches: int = 0
+    final_error: tuple[float, float] = (math.nan, math.nan)  # world units, degrees
+    frames: list[np.ndarray] = field(default_factory=list)  # the real frames, start first
+    predicted: list[np.ndarray] = field(default_factory=list)  # each plan's predicted frames
+
+    def to_json(self) -> dict:
+        return {
+            "seed": self.seed,
+            "success": self.success,
+            "steps": self.steps,
+            "plans": self.plans,
+            "plan_seconds": [round(s, 3) for s in self.plan_seconds],
+            "branches": self.branches,
+            "final_position_error": round(self.final_error[0], 2),
+            "final_angle_error_deg": round(self.final_error[1], 2),
+        }
+
+
+async def run_episode(
+    rollouts_for: Callable[[np.ndarray], Rollouts],
+    task: Task,
+    config: CEMConfig,
+    size: int,
+    budget: int = BUDGET,
+    execute: int | None = None,
+    seed: int = 0,
+    record: bool = False,
+) -> EpisodeResult:
+    """Model-predictive control: plan with `cem` from the observed frame (a new set of
+    rollouts from it each time: `rollouts_for(frame)`), run the first `execute` actions
+    (default: the whole horizon) in the real environment, and again, until the goal is
+    reached or `budget` steps are spent."""
+    execute = execute or config.horizon
+    rng = np.random.default_rng(seed)
+    world, frame = task.start(size)
+    cost = frame_cost(task.goal_frame)
+    result = EpisodeResult(task.seed, reached(world.scene, task.goal), 0, 0, frames=[frame] if record else [])
+    mean = None
+    try:
+        while not result.success and result.steps < budget:
+            rollouts = rollouts_for(frame)
+            try:
+                plan: Plan = await cem(rollouts, cost, np.array(world.scene.agent), config, rng, mean)
+            finally:
+                close = getattr(rollouts, "close", None)
+                if close is not None:
+                    close()
+            result.plans += 1
+            result.plan_seconds.append(plan.seconds)
+            result.branches += plan.branches
+            if record:
+                result.predicted.append(plan.frames)
+            for action in plan.actions[: min(execute, budget - result.steps)]:
+                frame = world.step(action)
+                result.steps += 1
+                if record:
+                    result.frames.append(frame)
+                if reached(world.scene, task.goal):
+                    result.success = True
+                    break
+            mean = _shifted(plan.mean, execute, config.knot_frames)
+        result.final_error = state_error(world.scene, task.goal)
+    finally:
+        world.close()
+    return result
+
+
+def _shifted(mean: np.ndarray | None, executed: int, knot_frames: int) -> np.ndarray | None:
+    """The last plan's mean moved past the executed steps, its last knot held (a warm start)."""
+    if mean is None:
+        return None
+    drop = min(executed // knot_frames, len(mean) - 1)
+    return np.concatenate([mean[drop:], np.repeat(mean[-1:], drop, 0)])
+
+
+def summary(results: list[EpisodeResult], seconds: float) -> dict:
+    plans = [s for r in results for s in r.plan_seconds]
+    branches = sum(r.branches for r in results)
+    return {
+        "episodes": len(results),
+        "success_rate": sum(r.success for r in results) / max(len(results), 1),
+        "mean_steps": float(np.mean([r.steps for r in results])) if results else math.nan,
+        "plan_seconds_mean": float(np.mean(plans)) if plans else math.nan,
+        "plan_seconds_p90": float(np.percentile(plans, 90)) if plans else math.nan,
+        "branches_per_second": branches / sum(plans) if plans else math.nan,
+        "wall_seconds": seconds,
+    }
+
+
+def timed() -> Callable[[], float]:
+    start = time.perf_counter()
+    return lambda: time.perf_counter() - start

@@ -1,0 +1,90 @@
+"""The planner: the cross-entropy method on a known cost, and goal-reaching on PushT with the
+shipped model through engine forks (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+
+from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
+from streamworld.models import get_preset
+from streamworld.models.world_model import WorldModel
+from streamworld.planning import CEMConfig, cem
+from streamworld.pusht.planning import Task, make_task, reached, run_episode, state_error
+from streamworld.pusht.world import Scene
+
+
+def test_cem_finds_the_action_sequence_a_known_cost_wants():
+    """Fake rollouts whose 'frames' are the actions themselves; the cost is the distance of
+    the last one from a target: CEM must end near it, its last iteration better than its first."""
+    target = np.array([300.0, 120.0])
+
+    async def rollouts(candidates: np.ndarray) -> np.ndarray:
+        return candidates[:, :, None, None, :]  # [K, H, 1, 1, 2] as "frames"
+
+    def cost(frames: np.ndarray) -> float:
+        return float(np.linalg.norm(frames[-1, 0, 0] - target))
+
+    config = CEMConfig(horizon=6, samples=64, elites=8, iterations=6, knot_frames=2, init_std=150.0)
+    plan = asyncio.run(cem(rollouts, cost, np.array([256.0, 256.0]), config, np.random.default_rng(0)))
+    assert plan.cost < 10.0
+    assert plan.actions.shape == (6, 2)
+    assert plan.branches == 64 * 6 and len(plan.costs) == 6
+    assert plan.cost == min(plan.costs) and plan.costs[-1] < plan.costs[0]
+
+
+def test_cem_refuses_a_bad_configuration():
+    with pytest.raises(ValueError, match="elites"):
+        CEMConfig(samples=4, elites=5).check()
+
+
+def test_success_is_dino_wms_test_on_the_true_state():
+    goal = Scene((100.0, 100.0), (200.0, 200.0, 0.5))
+    assert reached(Scene((110.0, 100.0), (205.0, 200.0, 0.6)), goal)
+    assert not reached(Scene((115.0, 100.0), (215.0, 200.0, 0.5)), goal)  # 21.2 units apart
+    assert not reached(Scene((100.0, 100.0), (200.0, 200.0, 0.5 + math.pi / 8)), goal)
+    assert reached(Scene((100.0, 100.0), (200.0, 200.0, 0.5 + 2 * math.pi)), goal)  # angles wrap
+    assert state_error(Scene((103.0, 104.0), (200.0, 200.0, 0.5)), goal) == pytest.approx((5.0, 0.0))
+
+
+def test_a_task_starts_where_its_recording_passed_and_its_goal_is_goal_steps_later():
+    task = make_task(3, 64, goal_steps=5)
+    world, _ = task.start(64)
+    try:
+        for action in task.actions[task.start_step :]:
+            world.step(action)
+        assert state_error(world.scene, task.goal) == pytest.approx((0.0, 0.0), abs=1e-3)
+    finally:
+        world.close()
+    assert isinstance(task, Task) and len(task.actions) == task.start_step + 5
+
+
+@pytest.fixture(scope="module")
+def pusht_model() -> WorldModel:
+    return WorldModel.load(get_preset("pusht"))
+
+
+async def test_the_planner_reaches_an_easy_goal_with_the_shipped_model(pusht_model):
+    """A goal 5 steps along a recorded trajectory: the model-predictive planner, forking the
+    observed frame into 16 candidates per iteration, reaches it within 24 steps."""
+    from streamworld.planning import EngineRollouts
+
+    config = CEMConfig(horizon=8, samples=16, elites=4, iterations=3, knot_frames=2, init_std=60.0)
+    engine_config = EngineConfig(
+        ttff_budget_s=1e3, scheduler=SchedulerConfig(lookahead_chunks=1e6), max_streams=17
+    )
+    task = make_task(1, 64, goal_steps=5)
+    world, _ = task.start(64)
+    before = state_error(world.scene, task.goal)
+    world.close()
+    async with AsyncEngine(pusht_model, engine_config) as engine:
+        result = await run_episode(
+            lambda frame: EngineRollouts(engine, frame), task, config, 64, budget=24, execute=8
+        )
+        assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
+    assert before[0] > 40.0  # not solved at the start
+    assert result.success, result.to_json()
+    assert result.final_error[0] < 20.0 and result.branches >= 48

@@ -149,3 +149,30 @@ async def test_the_fork_example_of_the_protocol_doc_runs_as_written(served, mode
     assert len(futures) == 3
     assert all(len(f) == 2 and f[0].shape[1:] == (cfg.height, cfg.width, 3) for f in futures)
     assert not np.array_equal(futures[0][1], futures[1][1])  # different actions, different futures
+
+
+async def test_client_rollouts_fork_a_session_started_from_a_frame(models):
+    """`ClientRollouts` over a server session of a model that starts from a frame and takes
+    actions: each candidate's frames equal the reference fed the first frame and its actions."""
+    from streamworld.planning import ClientRollouts
+
+    model = load_tiny(needs_image=True, action_dim=2)
+    object.__setattr__(model.config, "id", "tiny-img")
+    cfg = model.config
+    image = np.random.default_rng(0).integers(0, 256, (cfg.height, cfg.width, 3), dtype=np.uint8)
+    candidates = np.stack([actions_for(cfg, 1, s)[: cfg.first_chunk_frames] for s in (1, 2)])
+    candidates = candidates.astype(np.float32)
+    _, running = await start_server({**models, "tiny-img": model})
+    try:
+        url = f"ws://127.0.0.1:{running.port}/v1/stream"
+        async with StreamWorldClient(
+            url, model="tiny-img", image=image, seed=4, format="rgb", action_policy="wait"
+        ) as c:
+            frames = await ClientRollouts(c)(candidates)
+    finally:
+        await running.close()
+    assert frames.shape == (2, cfg.first_chunk_frames, cfg.height, cfg.width, 3)
+    gen = ReferenceGenerator(model)
+    for candidate, got in zip(candidates, frames, strict=True):
+        ref = gen.generate(GenerationRequest(4, 1, image=image, actions=candidate))
+        assert np.abs(got.astype(int) - ref.frames.astype(int)).max() <= 2

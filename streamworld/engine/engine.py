@@ -198,9 +198,11 @@ class AsyncEngine:
         parent = self.streams.get(stream_id)
         if parent is None:
             raise ValueError(f"no stream {stream_id} here (unknown, or ended)")
-        if not parent.live or parent.stopping or not parent.wants_more():
+        if not parent.live or parent.stopping:
             state = "stopping" if parent.stopping and parent.live else parent.status
             raise ValueError(f"stream {stream_id} is {state}: only a running stream can fork")
+        if not parent.wants_more():
+            raise ValueError(f"stream {stream_id} has started all its chunks: nothing is left to fork from")
         if parent.pending_fork is not None:
             raise ValueError(f"stream {stream_id} has a fork pending")
         if not 1 <= len(branches) <= self.config.max_fork_branches:

@@ -424,5 +424,20 @@ def test_cuda_graphs_on_a_cpu_is_a_one_line_error_before_anything_loads(capsys, 
 def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
     from streamworld.engine import AsyncEngine, EngineConfig
 
-    with pytest.raises(ValueError, match="CUDA graphs need CUDA devices"):
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device; stage 0 is on cpu"):
         AsyncEngine(tiny_model, EngineConfig(cuda_graphs=True))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--samples", "8", "--elites", "9"], "1 <= elites <= samples"),
+        (["--plan-horizon", "0"], "need horizon >= 1"),
+        (["--budget", "0"], "--goal-steps, --budget and --execute must be at least 1"),
+        (["--json", "/no/such/folder/plan.json"], "does not exist"),
+    ],
+)
+def test_bad_planning_arguments_give_a_one_line_error_before_the_model_loads(capsys, args, message):
+    assert main(["eval", "pusht", "--plan", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -57,8 +57,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..models import get_preset
-    from ..models.world_model import WeightPaths
     from ..pusht.evaluate import evaluate, markdown_table, parse_seeds
 
     try:
@@ -69,28 +67,38 @@ def run(args: argparse.Namespace) -> int:
         return run_plan(args, seeds)
     if args.horizon < 1:
         raise UsageError("--horizon must be at least 1")
+    model = _load(args)
+    modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
+    report = evaluate(model, seeds, modes, horizon=args.horizon)
+    print(markdown_table(report))
+    print("generation frames/s (reference loop, this machine): " + json.dumps(report["generation_fps"]))
+    _write(args, report)
+    return 0
+
+
+def _load(args: argparse.Namespace):
+    """The model to evaluate, once the output folder and the weights are checked."""
+    from ..models import get_preset
+    from ..models.world_model import WeightPaths
+
     arguments.check_output_folder("--json", args.json)
     if args.dit is not None and not Path(args.dit).exists():
         raise UsageError(f"--dit: {args.dit} does not exist")
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
     options = loading.LoadOptions(device=args.device, dtype="float32")
-    model = loading.load_world_model(get_preset(args.model), WeightPaths(dit=args.dit), options)
-    modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
-    report = evaluate(model, seeds, modes, horizon=args.horizon)
-    print(markdown_table(report))
-    print("generation frames/s (reference loop, this machine): " + json.dumps(report["generation_fps"]))
+    return loading.load_world_model(get_preset(args.model), WeightPaths(dit=args.dit), options)
+
+
+def _write(args: argparse.Namespace, report: dict) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.json}")
-    return 0
 
 
 def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
     """`eval pusht --plan`: the planning evaluation (docs/planning.md)."""
     import asyncio
 
-    from ..models import get_preset
-    from ..models.world_model import WeightPaths
     from ..planning import CEMConfig
 
     config = CEMConfig(
@@ -106,12 +114,7 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
-    arguments.check_output_folder("--json", args.json)
-    if args.dit is not None and not Path(args.dit).exists():
-        raise UsageError(f"--dit: {args.dit} does not exist")
-    options = loading.LoadOptions(device=args.device, dtype="float32")
-    model = loading.load_world_model(get_preset(args.model), WeightPaths(dit=args.dit), options)
-    report = asyncio.run(_plan_episodes(model, seeds, config, args))
+    report = asyncio.run(_plan_episodes(_load(args), seeds, config, args))
     s = report["summary"]
     print("| episodes | success | mean steps | plan s (mean / p90) | branches/s |")
     print("| --- | --- | --- | --- | --- |")
@@ -119,9 +122,7 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         f"| {s['episodes']} | {s['success_rate']:.0%} | {s['mean_steps']:.1f} | "
         f"{s['plan_seconds_mean']:.2f} / {s['plan_seconds_p90']:.2f} | {s['branches_per_second']:.1f} |"
     )
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    _write(args, report)
     return 0
 
 

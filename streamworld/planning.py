@@ -138,11 +138,32 @@ class EngineRollouts:
 
 class ClientRollouts:
     """Rollouts as forks of a session on a StreamWorld server (`StreamWorldClient`, started
-    with the observed frame as `image`, `action_policy="wait"` and no actions)."""
+    with the observed frame as `image`, `action_policy="wait"` and no actions); `start`
+    opens such a session, and `close` then ends it."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.frames_per_chunk = client.info.frames_per_chunk
+        self._owned = False
+
+    @classmethod
+    async def start(
+        cls, url: str, image: np.ndarray, model: str | None = None, **options: Any
+    ) -> ClientRollouts:
+        """A session on `url` started from `image` (further `StreamWorldClient` options)."""
+        from .client import StreamWorldClient
+
+        client = StreamWorldClient(
+            url, model=model, image=image, format="rgb", action_policy="wait", **options
+        )
+        await client.start()
+        rollouts = cls(client)
+        rollouts._owned = True
+        return rollouts
+
+    async def close(self) -> None:
+        if self._owned:
+            await self.client.close()
 
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
         horizon = candidates.shape[1]

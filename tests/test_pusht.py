@@ -309,3 +309,23 @@ def test_init_without_spatial_actions_starts_from_exactly_the_old_model(tmp_path
     with torch.no_grad():
         c = new.forward_sequence(latents, t, text, chunk_ids, acts)
     assert (c - a).abs().max() > 1e-3
+
+
+async def test_plan_pusht_example_plans_through_a_server(pusht_server, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plan_pusht", ROOT / "examples" / "plan_pusht.py")
+    plan_pusht = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_pusht)
+    video = tmp_path / "plan.mp4"
+    args = plan_pusht.build_parser().parse_args(
+        ["--url", pusht_server, "--samples", "3", "--iterations", "1", "--horizon", "4", "--budget", "4",
+         "--video", str(video)]
+    )  # fmt: skip
+    assert await plan_pusht.run(args) == 0
+    out = capsys.readouterr().out
+    assert "after 4 steps and 1 plans" in out or "goal reached" in out
+    import av
+
+    with av.open(str(video)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) >= 1 and frames[0].shape == (256, 768, 3)
+    assert plan_pusht.main(["--samples", "1"]) == 2

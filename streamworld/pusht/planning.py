@@ -22,9 +22,10 @@ target relative to the agent instead).
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -140,7 +141,7 @@ class EpisodeResult:
 
 
 async def run_episode(
-    rollouts_for: Callable[[np.ndarray], Rollouts],
+    rollouts_for: Callable[[np.ndarray], Rollouts | Awaitable[Rollouts]],
     task: Task,
     config: CEMConfig,
     size: int,
@@ -150,7 +151,9 @@ async def run_episode(
     record: bool = False,
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame (a new set of
-    rollouts from it each time: `rollouts_for(frame)`), run the first `execute` actions
+    rollouts from it each time: `rollouts_for(frame)`, or an awaitable of them; their
+    `close()`, if any, is called, and awaited if it returns an awaitable, after the plan),
+    run the first `execute` actions
     (default: the whole horizon) in the real environment, and again, until the goal is
     reached or `budget` steps are spent."""
     execute = execute or config.horizon
@@ -162,12 +165,14 @@ async def run_episode(
     try:
         while not result.success and result.steps < budget:
             rollouts = rollouts_for(frame)
+            if inspect.isawaitable(rollouts):  # e.g. ClientRollouts.start: a session to open
+                rollouts = await rollouts
             try:
                 plan: Plan = await cem(rollouts, cost, np.array(world.scene.agent), config, rng, mean)
             finally:
-                close = getattr(rollouts, "close", None)
-                if close is not None:
-                    close()
+                closed = getattr(rollouts, "close", lambda: None)()
+                if inspect.isawaitable(closed):
+                    await closed
             result.plans += 1
             result.plan_seconds.append(plan.seconds)
             result.branches += plan.branches

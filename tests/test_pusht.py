@@ -222,10 +222,16 @@ async def test_session_without_image_starts_from_the_environment_of_its_seed(pus
     assert np.abs(frames.astype(int) - expected.frames.astype(int)).max() <= 2
 
 
+def _example(name: str):
+    """An example script of examples/, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 async def test_robot_loop_example_runs_against_a_server(pusht_server, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("robot_loop", ROOT / "examples" / "robot_loop.py")
-    robot_loop = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(robot_loop)
+    robot_loop = _example("robot_loop")
     video = tmp_path / "loop.mp4"
     args = robot_loop.build_parser().parse_args(
         ["--url", pusht_server, "--chunks", "2", "--video", str(video)]
@@ -312,9 +318,7 @@ def test_init_without_spatial_actions_starts_from_exactly_the_old_model(tmp_path
 
 
 async def test_plan_pusht_example_plans_through_a_server(pusht_server, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("plan_pusht", ROOT / "examples" / "plan_pusht.py")
-    plan_pusht = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_pusht)
+    plan_pusht = _example("plan_pusht")
     video = tmp_path / "plan.mp4"
     args = plan_pusht.build_parser().parse_args(
         ["--url", pusht_server, "--samples", "3", "--iterations", "1", "--horizon", "4", "--budget", "4",

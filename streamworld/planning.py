@@ -122,15 +122,9 @@ class EngineRollouts:
         self.handle = engine.open_stream(StreamRequest(seed=seed, image=image, action_policy="wait"))
 
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
-        horizon = candidates.shape[1]
-        chunks = -(-horizon // self.frames_per_chunk)
-        branches = [BranchRequest(chunks, actions=c) for c in candidates]
-        handles = self.handle.fork(branches)
-
-        async def frames(handle: Any) -> np.ndarray:
-            return np.concatenate([c.frames async for c in handle])[:horizon]
-
-        return np.stack(await asyncio.gather(*(frames(h) for h in handles)))
+        chunks = -(-candidates.shape[1] // self.frames_per_chunk)
+        handles = self.handle.fork([BranchRequest(chunks, actions=c) for c in candidates])
+        return await _predicted(handles, candidates.shape[1])
 
     def close(self) -> None:
         self.handle.cancel()
@@ -166,13 +160,17 @@ class ClientRollouts:
             await self.client.close()
 
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
-        horizon = candidates.shape[1]
-        chunks = -(-horizon // self.frames_per_chunk)
+        chunks = -(-candidates.shape[1] // self.frames_per_chunk)
         branches = await self.client.fork(
             [{"num_chunks": chunks, "actions": c} for c in candidates], format="rgb"
         )
+        return await _predicted([b.chunks() for b in branches], candidates.shape[1])
 
-        async def frames(branch: Any) -> np.ndarray:
-            return np.concatenate([c.frames async for c in branch.chunks()])[:horizon]
 
-        return np.stack(await asyncio.gather(*(frames(b) for b in branches)))
+async def _predicted(branches: list[Any], horizon: int) -> np.ndarray:
+    """The first `horizon` frames of each branch (async iterables of chunks), stacked."""
+
+    async def frames(chunks: Any) -> np.ndarray:
+        return np.concatenate([c.frames async for c in chunks])[:horizon]
+
+    return np.stack(await asyncio.gather(*(frames(b) for b in branches)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from . import arguments, loading
@@ -131,7 +132,7 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
 
     from ..engine import AsyncEngine, EngineConfig, SchedulerConfig
     from ..planning import EngineRollouts
-    from ..pusht.planning import make_task, run_episode, summary, timed
+    from ..pusht.planning import make_task, run_episode, summary
 
     size = model.config.height
     engine_config = EngineConfig(
@@ -141,7 +142,7 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
         max_fork_branches=config.samples,
     )
     results = []
-    elapsed = timed()
+    started = time.perf_counter()
     async with AsyncEngine(model, engine_config) as engine:
         bar = tqdm(seeds, desc="planning pusht", unit="episode")
         for seed in bar:
@@ -165,6 +166,6 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
         "budget": args.budget,
         "execute": args.execute or config.horizon,
         "cem": vars(config),
-        "summary": summary(results, elapsed()),
+        "summary": summary(results, time.perf_counter() - started),
         "episodes": [r.to_json() for r in results],
     }

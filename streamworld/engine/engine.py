@@ -114,6 +114,7 @@ class AsyncEngine:
         self.trace: list[TraceEvent] = []
         self.est_latency: float | None = None
         self._handles: dict[int, StreamHandle] = {}
+        self._forking: set[int] = set()  # streams with a pending fork (stream.pending_fork)
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count()
         self._wake: asyncio.Event | None = None
@@ -224,7 +225,8 @@ class AsyncEngine:
             stream = self._new_stream(request, parent.kv_mode, status="forking")
             stream.paced = branch.paced
             handles.append(self._handles[stream.id])
-        parent.pending_fork = PendingFork([h.id for h in handles], list(branches), need)
+        parent.pending_fork = PendingFork([h.id for h in handles], list(branches))
+        self._forking.add(parent.id)
         self._poke()
         return handles
 
@@ -249,12 +251,14 @@ class AsyncEngine:
         return stream
 
     def _forks_due(self) -> None:
-        for stream in [s for s in self.streams.values() if s.pending_fork is not None and s.between_chunks]:
-            self._branch(stream)
+        """Branches the streams with a pending fork that have reached their fork point."""
+        for sid in [sid for sid in self._forking if self.streams[sid].between_chunks]:
+            self._branch(self.streams[sid])
 
     def _branch(self, parent: Stream) -> None:
         """Starts the branches of `parent`'s pending fork (`parent` is between chunks)."""
         fork, parent.pending_fork = parent.pending_fork, None
+        self._forking.discard(parent.id)
         assert fork is not None and parent.page_table is not None
         now = time.monotonic()
         for sid, request in zip(fork.branches, fork.requests, strict=True):
@@ -262,7 +266,7 @@ class AsyncEngine:
             if stream is None or stream.status != "forking":
                 continue  # ended before the fork point (its reservation went back then)
             self.runner.fork_stream(parent.id, sid, stream.request.seed)
-            table = parent.page_table.fork(fork.pages)
+            table = parent.page_table.fork(self._pages_for(parent.kv_mode))
             stream.branch(parent, table, request.num_chunks, request.actions, now)
             self._handles[sid]._admitted.set()
 
@@ -606,6 +610,7 @@ class AsyncEngine:
                 self._branch(stream)
             else:
                 stream.pending_fork = None
+                self._forking.discard(stream.id)
                 for sid in fork.branches:
                     if sid in self.streams:
                         why = f"stream {stream.id} ended before the fork point"

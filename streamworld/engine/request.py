@@ -64,12 +64,7 @@ def validate_branch(config: ModelConfig, branch: BranchRequest) -> None:
     if not 1 <= branch.num_chunks <= MAX_NUM_CHUNKS:
         raise ValueError("a branch's num_chunks must be from 1 to 10**6")
     if branch.actions is not None:
-        if config.action_dim == 0:
-            raise ValueError(f"model {config.id} takes no actions")
-        arr = np.asarray(branch.actions)
-        if arr.ndim != 2 or arr.shape[1] != config.action_dim:
-            raise ValueError(f"actions must be a list of vectors of length {config.action_dim}")
-        check_action_values(config, arr)
+        check_actions(config, branch.actions)
     if branch.priority is not None and branch.priority not in PRIORITY_CLASSES:
         raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)}")
 
@@ -100,16 +95,22 @@ def validate(
     if image is not None and image.shape != (config.height, config.width, 3):
         raise ValueError(f"image must be {config.height}x{config.width} RGB, got shape {tuple(image.shape)}")
     if actions is not None:
-        if config.action_dim == 0:
-            raise ValueError(f"model {config.id} takes no actions")
-        if np.asarray(actions).ndim != 2 or np.asarray(actions).shape[1] != config.action_dim:
-            raise ValueError(f"actions must be a list of vectors of length {config.action_dim}")
-        check_action_values(config, actions)
+        check_actions(config, actions)
     if priority not in PRIORITY_CLASSES:
         raise ValueError(f"priority must be one of {list(PRIORITY_CLASSES)}")
     if action_policy not in ACTION_POLICIES:
         raise ValueError(f"action_policy must be one of {list(ACTION_POLICIES)}")
     return kv_mode
+
+
+def check_actions(config: ModelConfig, actions: np.ndarray) -> None:
+    """ValueError unless the model takes actions and these are [N, action_dim] of accepted values."""
+    if config.action_dim == 0:
+        raise ValueError(f"model {config.id} takes no actions")
+    arr = np.asarray(actions)
+    if arr.ndim != 2 or arr.shape[1] != config.action_dim:
+        raise ValueError(f"actions must be a list of vectors of length {config.action_dim}")
+    check_action_values(config, arr)
 
 
 def check_action_values(config: ModelConfig, actions: np.ndarray) -> None:

@@ -78,6 +78,12 @@ class ActionTrack:
                 out[len(have) :] = self.last
         return out
 
+    def copy(self) -> ActionTrack:
+        """An independent track with the same actions (a fork's branch)."""
+        track = ActionTrack(self.action_dim)
+        track.base, track.frames, track.last = self.base, self.frames.copy(), self.last.copy()
+        return track
+
     def forget_before(self, frame: int) -> None:
         """Drops the actions of frames before `frame` (no chunk will need them)."""
         drop = min(max(frame - self.base, 0), len(self.frames))
@@ -160,7 +166,6 @@ class PendingFork:
 
     branches: list[int]  # the branch streams' ids
     requests: list[Any]  # their BranchRequests
-    pages: int  # pages per stage each branch reserved
 
 
 @dataclass
@@ -292,9 +297,7 @@ class Stream:
         self.decoder_signature = parent.decoder_signature
         self.next_chunk = self.next_decode = self.delivered = c
         self.request.num_chunks = c + num_chunks
-        self.actions = ActionTrack(parent.actions.action_dim)
-        self.actions.base, self.actions.last = parent.actions.base, parent.actions.last.copy()
-        self.actions.frames = parent.actions.frames.copy()
+        self.actions = parent.actions.copy()
         if actions is not None:  # actions[0] conditions the branch's first frame
             self.actions.push(actions, max(self.chunk_video_start(c) - 1, 0))
         self.prompt, self.text_ready, self.image_ready = parent.prompt, True, True

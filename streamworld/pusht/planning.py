@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -77,9 +76,8 @@ def make_task(seed: int, size: int, goal_steps: int = GOAL_STEPS) -> Task:
 
 def reached(scene: Scene, goal: Scene) -> bool:
     """DINO-WM's success test on the true state."""
-    position = math.dist((*scene.agent, *scene.block[:2]), (*goal.agent, *goal.block[:2]))
-    turn = (scene.block[2] - goal.block[2] + math.pi) % (2 * math.pi) - math.pi
-    return position < POSITION_TOLERANCE and abs(turn) < ANGLE_TOLERANCE
+    position, degrees = state_error(scene, goal)
+    return position < POSITION_TOLERANCE and math.radians(degrees) < ANGLE_TOLERANCE
 
 
 def state_error(scene: Scene, goal: Scene) -> tuple[float, float]:
@@ -213,8 +211,3 @@ def summary(results: list[EpisodeResult], seconds: float) -> dict:
         "branches_per_second": branches / sum(plans) if plans else math.nan,
         "wall_seconds": seconds,
     }
-
-
-def timed() -> Callable[[], float]:
-    start = time.perf_counter()
-    return lambda: time.perf_counter() - start

@@ -350,14 +350,12 @@ BRANCH_FORMATS = ("jpeg", "rgb")
 
 @dataclass
 class ForkMessage:
-    id: Any  # echoed in `session.forked`
     branches: list[BranchRequest]
     format: str
 
 
 def parse_fork(msg: dict[str, Any], cfg: ModelConfig, session_format: str) -> ForkMessage:
-    """A `session.fork` message (docs/protocol.md)."""
-    fork_id = echo_id(msg, "id")
+    """A `session.fork` message (docs/protocol.md), but its `id` (`echo_id`)."""
     branches = msg.get("branches")
     if not isinstance(branches, list) or not 1 <= len(branches) <= MAX_FORK_BRANCHES:
         raise ProtocolError("bad_request", f"'branches' must be a list of 1 to {MAX_FORK_BRANCHES} branches")
@@ -388,7 +386,7 @@ def parse_fork(msg: dict[str, Any], cfg: ModelConfig, session_format: str) -> Fo
         if seed is not None and not 0 <= seed < 2**63:
             raise ProtocolError("bad_request", f"branches[{i}].seed must be between 0 and 2**63 - 1")
         out.append(BranchRequest(num_chunks, actions, seed, None, paced))
-    return ForkMessage(fork_id, out, fmt)
+    return ForkMessage(out, fmt)
 
 
 def parse_branch_cancel(msg: dict[str, Any]) -> int:

@@ -466,7 +466,6 @@ class Session:
         `branch.done`. The branch pauses while `pause_chunks` of its chunks wait."""
         cfg, handle = self.cfg, branch.handle
         encoder = make_encoder(fmt, cfg.width, cfg.height, cfg.fps)
-        loop = asyncio.get_running_loop()
         sent, reason, message = 0, "completed", None
 
         def pace() -> None:
@@ -476,11 +475,8 @@ class Session:
         try:
             async for chunk in handle:
                 pace()
-                t0 = time.perf_counter()
-                encoded = await loop.run_in_executor(self.ctx.encode_pool, encoder.encode, chunk.frames)
-                encode_ms = (time.perf_counter() - t0) * 1e3
-                header = protocol.chunk_header(chunk, encoded.payload, encoded.sizes, encode_ms)
-                await self.sender.send({**header, "branch": branch.number}, encoded.payload)
+                header, payload = await self._encoded(encoder, chunk)
+                await self.sender.send({**header, "branch": branch.number}, payload)
                 sent += 1
                 pace()
             if handle.status == "cancelled":
@@ -542,15 +538,11 @@ class Session:
         """Encodes and sends one chunk; False when the client was too slow to take it."""
         pacing = self.pacing
         pacing.update()
-        t0 = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        encoded = await loop.run_in_executor(self.ctx.encode_pool, encoder.encode, chunk.frames)
-        encode_ms = (time.perf_counter() - t0) * 1000
-        header = protocol.chunk_header(chunk, encoded.payload, encoded.sizes, encode_ms)
+        header, payload = await self._encoded(encoder, chunk)
         pacing.chunks_handed = pacing.chunks_sent + 1
         pacing.update()
         try:
-            await self.sender.send(header, encoded.payload)
+            await self.sender.send(header, payload)
         except ClientTooSlow:
             self.end_reason = "error"
             self._finish("error")
@@ -560,6 +552,14 @@ class Session:
         pacing.chunks_sent += 1
         pacing.update()
         return True
+
+    async def _encoded(self, encoder: ChunkEncoder, chunk: ChunkOutput) -> tuple[dict, bytes]:
+        """The chunk's `chunk` message and payload, encoded in the CPU pool."""
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        encoded = await loop.run_in_executor(self.ctx.encode_pool, encoder.encode, chunk.frames)
+        encode_ms = (time.perf_counter() - t0) * 1000
+        return protocol.chunk_header(chunk, encoded.payload, encoded.sizes, encode_ms), encoded.payload
 
     async def _end_stream(self) -> None:
         """Every chunk is sent, or the stream stopped or failed: session.done and the close."""

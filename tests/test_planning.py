@@ -88,3 +88,21 @@ async def test_the_planner_reaches_an_easy_goal_with_the_shipped_model(pusht_mod
     assert before[0] > 40.0  # not solved at the start
     assert result.success, result.to_json()
     assert result.final_error[0] < 20.0 and result.branches >= 48
+
+
+def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
+    """`eval pusht --plan` on two tiny episodes: the JSON holds both, marked complete, with
+    the summary the printed table shows."""
+    import json
+
+    from streamworld.cli import main
+
+    out = tmp_path / "plan.json"
+    args = ["--seeds", "0-1", "--samples", "2", "--elites", "1", "--iterations", "1"]
+    args += ["--plan-horizon", "4", "--knot-frames", "4", "--budget", "4", "--json", str(out)]
+    assert main(["eval", "pusht", "--plan", *args]) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] is True and [e["seed"] for e in report["episodes"]] == [0, 1]
+    assert all(e["plans"] == 1 and e["branches"] == 2 for e in report["episodes"] if not e["success"])
+    assert report["summary"]["episodes"] == 2 and report["execute"] == 4
+    assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out

@@ -23,7 +23,7 @@ from streamworld.models.world_model import WorldModel, builtin_weights_path
 from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset, record_episode
 from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, psnr, ssim
 from streamworld.pusht.policy import ScriptedPolicy
-from streamworld.pusht.world import PushTWorld, initial_frame, locate
+from streamworld.pusht.world import PushTWorld, block_mask, initial_frame, locate, palette_weights
 from streamworld.server.app import ServerConfig, StreamWorldServer
 from tests.test_engine import assert_matches, collect, engine_config
 from tests.test_server import RunningServer
@@ -70,6 +70,31 @@ def test_dataset_is_reproducible_and_episodes_regenerate_alone(tmp_path):
     assert np.abs(data.frames[0, -1].astype(int) - data.frames[0, 0]).sum() > 0
 
 
+def test_push_share_is_recorded_and_drives_the_controller(tmp_path):
+    spec = DatasetSpec(episodes=2, steps=30, size=64, seed=2, push_share=1.0)
+    generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
+    assert Dataset.load(tmp_path / "d").spec == spec
+    # The share changes what the controller does: same seed, different moves.
+    _, actions_all = record_episode(7, 7, 30, 64, push_share=1.0)
+    _, actions_none = record_episode(7, 7, 30, 64, push_share=0.0)
+    assert not np.allclose(actions_all, actions_none)
+    with pytest.raises(ValueError, match="push_share"):
+        DatasetSpec(episodes=1, steps=1, push_share=1.5)
+
+
+def test_block_mask_finds_the_block_the_locator_finds():
+    world = PushTWorld(64)
+    frame = world.reset(3)
+    for _ in range(6):
+        frame = world.step(np.array([200.0, 200.0]))
+    world.close()
+    expected = palette_weights(frame)[..., 2] > 0.5  # walls are zero there, and hold no block
+    frames = torch.from_numpy(frame).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # [1, 3, 1, S, S]
+    mask = block_mask(frames)
+    assert mask.shape == (1, 1, 1, 64, 64) and mask.dtype == torch.bool
+    assert expected.sum() > 50 and np.array_equal(mask[0, 0, 0].numpy(), expected)
+
+
 def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, capsys):
     work = tmp_path / "w"
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]) == 0
@@ -98,9 +123,13 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
         WorldModel.load(plain, weights)
 
 
-def test_train_cli_rejects_bad_arguments(tmp_path, capsys):
-    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), "--minutes", "0"]) == 2
-    assert "--minutes" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--minutes", "0"), ("--block-weight", "-1"), ("--block-weight", "nan"), ("--push-share", "1.5")],
+)
+def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), flag, value]) == 2
+    assert flag in capsys.readouterr().err
 
 
 # --- anchored pixel latents --------------------------------------------------------------

@@ -143,6 +143,21 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
     )
     results = []
     started = time.perf_counter()
+
+    def report(complete: bool) -> dict:
+        return {
+            "model": model.config.id,
+            "device": str(model.device),
+            "complete": complete,
+            "seeds": seeds,
+            "goal_steps": args.goal_steps,
+            "budget": args.budget,
+            "execute": args.execute or config.horizon,
+            "cem": vars(config),
+            "summary": summary(results, time.perf_counter() - started),
+            "episodes": [r.to_json() for r in results],
+        }
+
     async with AsyncEngine(model, engine_config) as engine:
         bar = tqdm(seeds, desc="planning pusht", unit="episode")
         for seed in bar:
@@ -158,14 +173,6 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
             )
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
-    return {
-        "model": model.config.id,
-        "device": str(model.device),
-        "seeds": seeds,
-        "goal_steps": args.goal_steps,
-        "budget": args.budget,
-        "execute": args.execute or config.horizon,
-        "cem": vars(config),
-        "summary": summary(results, time.perf_counter() - started),
-        "episodes": [r.to_json() for r in results],
-    }
+            if args.json:  # the episodes so far survive an interrupted run
+                Path(args.json).write_text(json.dumps(report(False), indent=2) + "\n")
+    return report(True)

@@ -58,6 +58,12 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--episodes", type=int, default=2000, help="episodes to record (default 2000)")
     group.add_argument("--steps-per-episode", type=int, default=200, help="actions per episode (default 200)")
     group.add_argument("--data-seed", type=int, default=0, help="seed of the recorded data set (default 0)")
+    group.add_argument(
+        "--push-share",
+        type=float,
+        default=0.6,
+        help="share of the scripted controller's moves that push the block (default 0.6)",
+    )
     group.add_argument("--workers", type=int, help="processes that record episodes (default: CPU count)")
 
 
@@ -77,6 +83,12 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="extra loss weight on pixels that differ from the episode's first frame (default 0)",
     )
+    group.add_argument(
+        "--block-weight",
+        type=float,
+        default=0.0,
+        help="extra loss weight on pixels where the block is or was at the start (default 0)",
+    )
     group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
 
@@ -90,7 +102,11 @@ def _configs(args: argparse.Namespace):
     if args.prediction is not None:
         config = dataclasses.replace(config, prediction=args.prediction)
     spec = DatasetSpec(
-        episodes=args.episodes, steps=args.steps_per_episode, size=config.height, seed=args.data_seed
+        episodes=args.episodes,
+        steps=args.steps_per_episode,
+        size=config.height,
+        seed=args.data_seed,
+        push_share=args.push_share,
     )
     train_config = TrainConfig(
         batch_size=args.batch_size,
@@ -98,11 +114,14 @@ def _configs(args: argparse.Namespace):
         lr=args.lr,
         seed=args.seed,
         change_weight=args.change_weight,
+        block_weight=args.block_weight,
     )
     if not args.smoke:
         return config, spec, train_config, args.device
     config = smoke_config(config)
-    spec = DatasetSpec(episodes=4, steps=40, size=config.height, seed=args.data_seed)
+    spec = DatasetSpec(
+        episodes=4, steps=40, size=config.height, seed=args.data_seed, push_share=args.push_share
+    )
     train_config = TrainConfig(
         batch_size=2,
         total_steps=min(args.total_steps, 4),
@@ -110,13 +129,17 @@ def _configs(args: argparse.Namespace):
         log_every=2,
         checkpoint_every=2,
         change_weight=args.change_weight,
+        block_weight=args.block_weight,
     )
     return config, spec, train_config, "cpu"
 
 
 def _check(args: argparse.Namespace, workdir: Path) -> None:
-    if not args.change_weight >= 0:  # also refuses nan
-        raise UsageError("--change-weight must be at least 0")
+    for name in ("change_weight", "block_weight"):
+        if not getattr(args, name) >= 0:  # also refuses nan
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
+    if not 0 <= args.push_share <= 1:
+        raise UsageError("--push-share must be in [0, 1]")
     for name in ("episodes", "steps_per_episode", "total_steps", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")

@@ -1,9 +1,10 @@
 """Recording PushT episodes for training: frames and actions, reproducible by seed.
 
 Episode i of a data set with seed s starts from the environment's initial state for seed
-`s * 1_000_003 + i + TRAIN_SEED_BASE` and is driven by `ScriptedPolicy` (pushing and random
-exploration) seeded the same way, so any episode can be regenerated alone. Evaluation uses
-seeds below `TRAIN_SEED_BASE`, so the two never share an initial state.
+`s * 1_000_003 + i + TRAIN_SEED_BASE` and is driven by `ScriptedPolicy` (pushing for
+`push_share` of its moves, exploring at random otherwise) seeded the same way, so any
+episode can be regenerated alone. Evaluation uses seeds below `TRAIN_SEED_BASE`, so the two
+never share an initial state.
 
 On disk a data set is a folder with `frames.npy` (uint8 [E, T + 1, S, S, 3]), `actions.npy`
 (float32 [E, T, 2], world units; action t takes frame t to frame t + 1) and `meta.json`.
@@ -29,18 +30,25 @@ class DatasetSpec:
     steps: int  # actions per episode (frames = steps + 1)
     size: int = 64
     seed: int = 0
+    push_share: float = 0.6  # of the scripted policy's moves that push the block
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.push_share <= 1.0:
+            raise ValueError(f"push_share is a share in [0, 1], not {self.push_share}")
 
     def episode_seed(self, index: int) -> int:
         return self.seed * 1_000_003 + index + TRAIN_SEED_BASE
 
 
-def record_episode(env_seed: int, policy_seed: int, steps: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+def record_episode(
+    env_seed: int, policy_seed: int, steps: int, size: int, push_share: float = 0.6
+) -> tuple[np.ndarray, np.ndarray]:
     """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32) of one episode."""
     from .policy import ScriptedPolicy
     from .world import PushTWorld
 
     world = PushTWorld(size)
-    policy = ScriptedPolicy(policy_seed)
+    policy = ScriptedPolicy(policy_seed, push_share)
     frames = np.empty((steps + 1, size, size, 3), np.uint8)
     actions = np.empty((steps, 2), np.float32)
     frames[0] = world.reset(env_seed)
@@ -54,7 +62,7 @@ def record_episode(env_seed: int, policy_seed: int, steps: int, size: int) -> tu
 def _record(args: tuple[int, DatasetSpec]) -> tuple[int, np.ndarray, np.ndarray]:
     index, spec = args
     seed = spec.episode_seed(index)
-    frames, actions = record_episode(seed, seed, spec.steps, spec.size)
+    frames, actions = record_episode(seed, seed, spec.steps, spec.size, spec.push_share)
     return index, frames, actions
 
 
@@ -117,7 +125,9 @@ class Dataset:
                 f"{folder} holds no PushT data set (no meta.json); record one with --episodes"
             )
         meta = json.loads(meta_path.read_text())
-        spec = DatasetSpec(meta["episodes"], meta["steps"], meta["size"], meta["seed"])
+        spec = DatasetSpec(
+            meta["episodes"], meta["steps"], meta["size"], meta["seed"], meta.get("push_share", 0.6)
+        )
         frames = np.load(folder / "frames.npy", mmap_mode="r")
         actions = np.load(folder / "actions.npy")
         if frames.shape != (spec.episodes, spec.steps + 1, spec.size, spec.size, 3) or actions.shape != (

@@ -46,6 +46,7 @@ from ..models.config import ModelConfig
 from ..models.pixels import frames_to_latents
 from ..models.world_model import WorldModel, resolve_device
 from .data import Dataset, DatasetSpec, generate_dataset
+from .world import block_mask
 
 REGIMES = ("clean", "final", "noisy")
 
@@ -69,6 +70,10 @@ class TrainConfig:
     # Extra loss weight on pixels that differ from the episode's first frame (the agent and
     # the block where they moved): small moving objects otherwise cost the loss little.
     change_weight: float = 0.0
+    # Extra loss weight on pixels where the block is, in the frame or in the first frame (where
+    # it was): the block wherever it is or was, moving or not, so that a pushed block costs its
+    # whole shape and a still one costs it to dissolve.
+    block_weight: float = 0.0
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 100
@@ -327,6 +332,9 @@ class Trainer:
         if self.cfg.change_weight:
             changed = (frames[:, :, 1:] - frames[:, :, :1]).abs().amax(1, keepdim=True) > 0.1
             err = err * (1.0 + self.cfg.change_weight * changed)
+        if self.cfg.block_weight:
+            block = block_mask(frames)
+            err = err * (1.0 + self.cfg.block_weight * (block[:, :, 1:] | block[:, :, :1]))
         err = err.mean(dim=(1, 3, 4))  # [B, L]
         mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
         loss = (err * mask).sum() / mask.sum().clamp_min(1.0)

@@ -172,6 +172,18 @@ def palette_weights(frame: np.ndarray) -> np.ndarray:
     return weights
 
 
+def block_mask(frames, threshold: float = 0.5):
+    """Where the block is in frames: a torch tensor [..., 3, T, H, W] in [-1, 1] (training
+    layout) -> bool [..., 1, T, H, W], True where the block's weight (`palette_weights`,
+    walls included) exceeds `threshold`."""
+    import torch
+
+    row = torch.as_tensor(_UNMIX[2], dtype=frames.dtype, device=frames.device)
+    rgb = (frames + 1.0) * 127.5
+    weight = torch.einsum("...cthw,c->...thw", rgb, row[:3]) + row[3]
+    return ((weight - _FLOOR) / (1.0 - _FLOOR) > threshold).unsqueeze(-4)
+
+
 def box_mean(m: np.ndarray, size: int) -> np.ndarray:
     """Mean over a size x size neighbourhood (zero padding), same shape as m."""
     pad = size // 2

@@ -435,6 +435,7 @@ def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
         (["--plan-horizon", "0"], "need horizon >= 1"),
         (["--budget", "0"], "--goal-steps, --budget and --execute must be at least 1"),
         (["--json", "/no/such/folder/plan.json"], "does not exist"),
+        (["--cuda-graphs"], "--cuda-graphs needs a CUDA --device, not cpu"),
     ],
 )
 def test_bad_planning_arguments_give_a_one_line_error_before_the_model_loads(capsys, args, message):

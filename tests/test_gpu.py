@@ -502,3 +502,47 @@ def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):
     requests = [StreamRequest(seed=i, num_chunks=3, prompt="a fox", kv_mode="noisy") for i in range(2)]
     stats = _graphed_vs_reference(wan13b, requests, "wan2.1-t2v-1.3b bf16 480x832", 5e-2, scheduler=scheduler)
     assert stats["eager"] < stats["replays"]
+
+
+def test_forks_under_cuda_graphs_equal_forks_run_eagerly_pusht():
+    """The planner's workload on the GPU: the shipped PushT model (first frame and actions),
+    two forks of 16 branches of 8 frames from one observed frame, with and without CUDA
+    graphs. Branches of one fork have one batch shape, so the second fork replays graphs."""
+    import asyncio
+
+    import numpy as np
+
+    from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
+    from streamworld.models import get_preset
+    from streamworld.planning import EngineRollouts
+    from streamworld.pusht.world import initial_frame
+
+    model = WorldModel.load(get_preset("pusht"), device="cuda", dtype="float32")
+    frame, _ = initial_frame(0, model.config.height)
+    candidates = np.random.default_rng(0).uniform(0, 512, (16, 8, 2)).astype(np.float32)
+
+    async def rollouts(cuda_graphs: bool):
+        cfg = EngineConfig(
+            ttff_budget_s=1e3,
+            scheduler=SchedulerConfig(lookahead_chunks=1e6),
+            max_streams=17,
+            cuda_graphs=cuda_graphs,
+        )
+        async with AsyncEngine(model, cfg) as engine:
+            fork = EngineRollouts(engine, frame)
+            predicted = [await fork(candidates), await fork(candidates[::-1].copy())]
+            fork.close()
+            stats: dict = {}
+            _graph_stats(engine, stats)
+            return predicted, stats, engine.pool.pages_used
+
+    eager, _, _ = asyncio.run(rollouts(False))
+    graphed, stats, pages_used = asyncio.run(rollouts(True))
+    print(f"\nforks under CUDA graphs, pusht float32: graphs {stats}")
+    assert pages_used == 0
+    assert stats["captured"] > 0 and stats["replays"] > 0 and stats["failures"] == 0
+    for a, b in zip(eager, graphed, strict=True):
+        assert a.shape == (16, 8, 64, 64, 3)
+        assert np.abs(a.astype(int) - b.astype(int)).max() <= 2
+    # The second fork's candidates are the first's reversed: so are its predictions.
+    assert np.abs(eager[1][::-1].astype(int) - eager[0].astype(int)).max() <= 2

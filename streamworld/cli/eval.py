@@ -54,6 +54,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--plan-horizon", type=int, default=24, help="steps each plan covers (default 24)")
     plan.add_argument("--execute", type=int, help="steps run before replanning (default: the horizon)")
     plan.add_argument("--knot-frames", type=int, default=4, help="steps a planned target holds (default 4)")
+    plan.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the DiT's blocks from CUDA graphs (as `serve --cuda-graphs`); CUDA devices only",
+    )
     parser.set_defaults(func=run)
 
 
@@ -115,6 +120,8 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
+    if args.cuda_graphs and not args.device.startswith("cuda"):
+        raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
     report = asyncio.run(_plan_episodes(_load(args), seeds, config, args))
     s = report["summary"]
     print("| episodes | success | mean steps | plan s (mean / p90) | branches/s |")
@@ -140,6 +147,7 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
         scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, config.samples)),
         max_streams=config.samples + 1,
         max_fork_branches=config.samples,
+        cuda_graphs=args.cuda_graphs,
     )
     results = []
     started = time.perf_counter()

@@ -495,16 +495,16 @@ async def test_cpu_model_work_runs_on_one_process_wide_thread(tiny_model):
 async def test_non_finite_model_output_ends_only_its_own_stream(tiny_model, monkeypatch, overlap):
     """Without overlapped dispatch the check follows every batch; with it (forced here on a
     CPU, where it is otherwise off) the check happens when the chunk is decoded."""
-    from streamworld.models.schedule import FlowSchedule
+    from streamworld.engine import runner
+    from streamworld.models.schedule import chunk_noise
 
     victim_seed = 91
-    step_input = FlowSchedule.step_input
 
-    def poisoned(self, seed, chunk, phase, x0, shape, device):
-        x = step_input(self, seed, chunk, phase, x0, shape, device)
+    def poisoned(seed, chunk, phase, shape):
+        x = chunk_noise(seed, chunk, phase, shape)
         return x * float("nan") if seed == victim_seed and chunk == 1 else x
 
-    monkeypatch.setattr(FlowSchedule, "step_input", poisoned)
+    monkeypatch.setattr(runner, "chunk_noise", poisoned)
     async with AsyncEngine(tiny_model, engine_config(overlap_dispatch=overlap)) as engine:
         assert engine.overlap is overlap
         handles = [engine.open_stream(StreamRequest(seed=s, num_chunks=3, kv_mode="noisy")) for s in (0, 1)]

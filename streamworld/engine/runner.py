@@ -28,6 +28,7 @@ import torch
 
 from ..models.actions import gather_latent_actions
 from ..models.causal_wan import ChunkInput, StageActivation
+from ..models.schedule import chunk_noise
 from ..models.transfer import to_device
 from ..models.vae import image_from_uint8, to_uint8
 from ..models.world_model import WorldModel
@@ -266,11 +267,12 @@ class ModelRunner:
     def _execute_batch(self, stage: Stage, works: list[Work]) -> list[UnitResult]:
         model = self.model
         inputs, x_ts = [], []
+        noises: dict = {}  # units that draw the same noise share it (a fork's branches)
         for w in works:
             hook = self.fault_hook()
             if hook is not None:
                 hook(w.unit)
-            chunk_input = self._input(stage, w)
+            chunk_input = self._input(stage, w, noises)
             inputs.append(chunk_input)
             x_ts.append(chunk_input.latents)
         act = model.dit.embed(inputs) if stage.index == 0 else self._received(works)
@@ -313,9 +315,11 @@ class ModelRunner:
             rows[0].num_frames,
         )
 
-    def _input(self, stage: Stage, w: Work) -> ChunkInput:
+    def _input(self, stage: Stage, w: Work, noises: dict) -> ChunkInput:
         """The unit's DiT input: the step's noised latents (stage 0) or the chunk's current
-        ones, its timesteps, prompt, K/V view and actions."""
+        ones, its timesteps, prompt, K/V view and actions. `noises` holds the noise this batch
+        has drawn so far, by (seed, chunk, step, shape): branches of one fork keep their
+        parent's seed, so a fork of 16 draws and copies each step's noise once, not 16 times."""
         model, sched = self.model, self.model.schedule
         phase, chunk = w.unit.phase, w.chunk
         device = self.stage_devices[stage.index]
@@ -325,7 +329,10 @@ class ModelRunner:
             if stage.index == 0:
                 shape = model.latent_shape(w.num_frames)
                 x0 = None if chunk.x0 is None else chunk.x0.to(device)
-                x_t = sched.step_input(w.seed, w.unit.chunk, phase, x0, shape, device)
+                key = (w.seed, w.unit.chunk, phase, shape)
+                if key not in noises:
+                    noises[key] = to_device(chunk_noise(*key), device)
+                x_t = sched.noised(noises[key], phase, x0)
             else:
                 x_t = chunk.x_t.to(device)
         else:

@@ -85,7 +85,10 @@ class FlowSchedule:
         device: torch.device | str,
     ) -> torch.Tensor:
         """x_t fed to denoising `step` of a chunk: pure noise at step 0, re-noised x0 after."""
-        noise = to_device(chunk_noise(seed, chunk, step, shape), device)
+        return self.noised(to_device(chunk_noise(seed, chunk, step, shape), device), step, x0_prev)
+
+    def noised(self, noise: torch.Tensor, step: int, x0_prev: torch.Tensor | None) -> torch.Tensor:
+        """`step_input` given the chunk's noise for the step (never written to)."""
         if step == 0:
             return noise
         if x0_prev is None:

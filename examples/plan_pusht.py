@@ -9,8 +9,9 @@ environment (gym-pusht), and the loop plans again from the new frame. It stops w
 goal is reached (DINO-WM's test: agent and block within 20 world units, the block within
 20 degrees) or the step budget is spent. `docs/planning.md` explains the protocol.
 
-`--video` writes three panels side by side: the real environment, the predicted frames of
-the plan being executed, and the goal.
+`--video` writes four panels side by side: the real environment, the predicted frames of
+the plan being executed, the goal, and the candidates the plan was chosen from (up to 16,
+the chosen one framed in red).
 
     streamworld serve                       # in another terminal (serves pusht by default)
     python examples/plan_pusht.py --seed 1 --goal-steps 5 --video plan.mp4
@@ -38,22 +39,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=16, help="branches per fork (default 16)")
     p.add_argument("--iterations", type=int, default=3, help="forks per plan (default 3)")
     p.add_argument("--horizon", type=int, default=8, help="steps each plan covers (default 8)")
-    p.add_argument("--video", metavar="OUT.mp4", help="write real | predicted | goal side by side")
+    p.add_argument(
+        "--video", metavar="OUT.mp4", help="write real | predicted | goal | candidates side by side"
+    )
     p.add_argument("--scale", type=int, default=4, help="upscaling of the video frames (default 4)")
     return p
 
 
 def write_video(path: str, result, goal: np.ndarray, scale: int) -> None:
+    """real | predicted | goal | the candidates of the fork the plan came from (the chosen one
+    framed in red), one video frame per executed step."""
     from streamworld.media import write_mp4
 
-    predicted = [f for plan in result.predicted for f in plan]
+    steps = [(plan, h) for plan in result.recorded_plans for h in range(len(plan.frames))]
     rows = []
     for i, real in enumerate(result.frames[1:]):
-        guess = predicted[i] if i < len(predicted) else np.zeros_like(real)
-        rows.append(np.concatenate([real, guess, goal], axis=1))
-    big = np.stack(rows).repeat(scale, axis=1).repeat(scale, axis=2)
-    write_mp4(big, path, fps=10)
-    print(f"wrote {path}: {len(rows)} frames, real | predicted | goal")
+        plan, h = steps[i] if i < len(steps) else (None, 0)
+        guess = plan.frames[h] if plan is not None else np.zeros_like(real)
+        panels = np.concatenate([real, guess, goal], axis=1).repeat(scale, 0).repeat(scale, 1)
+        grid = candidate_grid(plan, h, real.shape[0] * scale) if plan is not None else None
+        if grid is None:
+            grid = np.zeros((panels.shape[0], panels.shape[0], 3), np.uint8)
+        rows.append(np.concatenate([panels, grid], axis=1))
+    write_mp4(np.stack(rows), path, fps=10)
+    print(f"wrote {path}: {len(rows)} frames, real | predicted | goal | candidates")
+
+
+def candidate_grid(plan, h: int, side: int) -> np.ndarray | None:
+    """Frame h of up to 16 of the plan's candidates in a square grid `side` pixels wide, the
+    chosen candidate among them and framed in red."""
+    if plan.candidates is None:
+        return None
+    count = min(len(plan.candidates), 16)
+    others = [i for i in range(len(plan.candidates)) if i != plan.chosen]
+    order = sorted([*others[: count - 1], plan.chosen])
+    g = int(np.ceil(np.sqrt(count)))
+    t = side // g
+    grid = np.zeros((side, side, 3), np.uint8)
+    size = plan.candidates.shape[2]
+    pick = np.arange(t) * size // t  # nearest-neighbour resize to t x t
+    for slot, i in enumerate(order):
+        thumb = plan.candidates[i, h][pick][:, pick].copy()
+        if i == plan.chosen:
+            thumb[:2] = thumb[-2:] = thumb[:, :2] = thumb[:, -2:] = (255, 0, 0)
+        y, x = divmod(slot, g)
+        grid[y * t : (y + 1) * t, x * t : (x + 1) * t] = thumb
+    return grid
 
 
 async def run(args: argparse.Namespace) -> int:

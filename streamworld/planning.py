@@ -63,6 +63,10 @@ class Plan:
     branches: int = 0  # rolled out in all
     seconds: float = 0.0
     mean: np.ndarray | None = None  # the last distribution's mean [knots, action_dim]
+    # With cem(keep_candidates=True): every candidate's frames of the fork the plan came from
+    # [K, H, height, width, 3], the plan being candidates[chosen].
+    candidates: np.ndarray | None = None
+    chosen: int = 0
 
 
 async def cem(
@@ -72,11 +76,13 @@ async def cem(
     config: CEMConfig,
     rng: np.random.Generator,
     mean: np.ndarray | None = None,
+    keep_candidates: bool = False,
 ) -> Plan:
     """The cross-entropy method: sample `samples` piecewise-constant action sequences around
     the mean (first: `start` held, or `mean`, e.g. the last plan shifted), roll them all out
     as one fork, refit mean and spread to the `elites` cheapest, `iterations` times. `cost`
-    maps one candidate's predicted frames to a number (lower is better)."""
+    maps one candidate's predicted frames to a number (lower is better). `keep_candidates`
+    keeps every candidate's frames of the fork the plan came from (to show them)."""
     config.check()
     t0 = time.perf_counter()
     knots = -(-config.horizon // config.knot_frames)
@@ -98,7 +104,8 @@ async def cem(
         i = int(order[0])
         history.append(float(costs[i]))
         if best is None or costs[i] < best.cost:
-            best = Plan(candidates[i], float(costs[i]), frames[i])
+            best = Plan(candidates[i], float(costs[i]), frames[i], chosen=i)
+            best.candidates = frames if keep_candidates else None
     assert best is not None
     best.costs = history
     best.branches = config.samples * config.iterations

@@ -360,5 +360,25 @@ async def test_plan_pusht_example_plans_through_a_server(pusht_server, tmp_path,
 
     with av.open(str(video)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    assert len(frames) >= 1 and frames[0].shape == (256, 768, 3)
+    assert len(frames) >= 1 and frames[0].shape == (256, 1024, 3)
     assert plan_pusht.main(["--samples", "1"]) == 2
+
+
+def test_plan_video_shows_the_candidates_with_the_chosen_one_framed():
+    from streamworld.planning import Plan
+
+    plan_pusht = _example("plan_pusht")
+    rng = np.random.default_rng(0)
+    candidates = rng.integers(0, 200, (20, 3, 64, 64, 3), dtype=np.uint8)  # no pure red in them
+    plan = Plan(candidates[18, :, :1, :1, :2], 0.0, candidates[18], candidates=candidates, chosen=18)
+    grid = plan_pusht.candidate_grid(plan, 2, 256)
+    assert grid.shape == (256, 256, 3)
+    # 16 of the 20 in a 4 x 4 grid of 64-pixel cells: the first 15 others, then the chosen one.
+    shown = [*range(15), 18]
+    for slot, i in enumerate(shown):
+        y, x = divmod(slot, 4)
+        cell = grid[y * 64 : (y + 1) * 64, x * 64 : (x + 1) * 64]
+        framed = (cell[:2] == (255, 0, 0)).all()
+        assert framed == (i == 18)
+        assert np.array_equal(cell[2:-2, 2:-2], candidates[i, 2][2:-2, 2:-2])
+    assert plan_pusht.candidate_grid(Plan(plan.actions, 0.0, plan.frames), 0, 256) is None

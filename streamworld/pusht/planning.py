@@ -123,7 +123,8 @@ class EpisodeResult:
     branches: int = 0
     final_error: tuple[float, float] = (math.nan, math.nan)  # world units, degrees
     frames: list[np.ndarray] = field(default_factory=list)  # the real frames, start first
-    predicted: list[np.ndarray] = field(default_factory=list)  # each plan's predicted frames
+    # With record=True: each plan in order, with the frames of the candidates it was chosen from.
+    recorded_plans: list[Plan] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -166,7 +167,9 @@ async def run_episode(
             if inspect.isawaitable(rollouts):  # e.g. ClientRollouts.start: a session to open
                 rollouts = await rollouts
             try:
-                plan: Plan = await cem(rollouts, cost, np.array(world.scene.agent), config, rng, mean)
+                plan: Plan = await cem(
+                    rollouts, cost, np.array(world.scene.agent), config, rng, mean, keep_candidates=record
+                )
             finally:
                 closed = getattr(rollouts, "close", lambda: None)()
                 if inspect.isawaitable(closed):
@@ -175,7 +178,7 @@ async def run_episode(
             result.plan_seconds.append(plan.seconds)
             result.branches += plan.branches
             if record:
-                result.predicted.append(plan.frames)
+                result.recorded_plans.append(plan)
             for action in plan.actions[: min(execute, budget - result.steps)]:
                 frame = world.step(action)
                 result.steps += 1

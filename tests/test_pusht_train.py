@@ -116,7 +116,7 @@ def test_block_weight_adds_the_error_on_block_pixels(tmp_path):
         trainer = Trainer(
             cfg, TrainConfig(batch_size=2, block_weight=weight), data, tmp_path / f"w{weight}", "cpu"
         )
-        losses[weight] = float(trainer.loss(trainer.batcher.sample(2))[0])
+        losses[weight] = float(trainer.loss(trainer.batcher.sample(2))[0].detach())
     block_part = losses[1.0] - losses[0.0]
     assert block_part > 0.01 * losses[0.0]
     assert losses[3.0] - losses[0.0] == pytest.approx(3 * block_part, rel=1e-3)

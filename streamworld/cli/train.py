@@ -153,9 +153,9 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..pusht.train import Trainer, prepare_data
 
-    config, spec, train_config, device = _configs(args)
     workdir = Path(args.workdir)
     _check(args, workdir)
+    config, spec, train_config, device = _configs(args)
     data_dir = Path(args.data) if args.data else workdir / "data"
     try:
         data = prepare_data(data_dir, spec, workers=args.workers)

@@ -104,8 +104,8 @@ async def cem(
         i = int(order[0])
         history.append(float(costs[i]))
         if best is None or costs[i] < best.cost:
-            best = Plan(candidates[i], float(costs[i]), frames[i], chosen=i)
-            best.candidates = frames if keep_candidates else None
+            kept = frames if keep_candidates else None
+            best = Plan(candidates[i], float(costs[i]), frames[i], candidates=kept, chosen=i)
     assert best is not None
     best.costs = history
     best.branches = config.samples * config.iterations

@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..pusht.policy import PUSH_SHARE
 from . import arguments
 from .errors import UsageError
 
@@ -61,8 +62,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--push-share",
         type=float,
-        default=0.6,
-        help="share of the scripted controller's moves that push the block (default 0.6)",
+        default=PUSH_SHARE,
+        help=f"share of the scripted controller's moves that push the block (default {PUSH_SHARE})",
     )
     group.add_argument("--workers", type=int, help="processes that record episodes (default: CPU count)")
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .policy import PUSH_SHARE
+
 TRAIN_SEED_BASE = 1_000_000
 
 
@@ -30,7 +32,7 @@ class DatasetSpec:
     steps: int  # actions per episode (frames = steps + 1)
     size: int = 64
     seed: int = 0
-    push_share: float = 0.6  # of the scripted policy's moves that push the block
+    push_share: float = PUSH_SHARE  # of the scripted policy's moves that push the block
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.push_share <= 1.0:
@@ -41,7 +43,7 @@ class DatasetSpec:
 
 
 def record_episode(
-    env_seed: int, policy_seed: int, steps: int, size: int, push_share: float = 0.6
+    env_seed: int, policy_seed: int, steps: int, size: int, push_share: float = PUSH_SHARE
 ) -> tuple[np.ndarray, np.ndarray]:
     """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32) of one episode."""
     from .policy import ScriptedPolicy
@@ -126,7 +128,7 @@ class Dataset:
             )
         meta = json.loads(meta_path.read_text())
         spec = DatasetSpec(
-            meta["episodes"], meta["steps"], meta["size"], meta["seed"], meta.get("push_share", 0.6)
+            meta["episodes"], meta["steps"], meta["size"], meta["seed"], meta.get("push_share", PUSH_SHARE)
         )
         frames = np.load(folder / "frames.npy", mmap_mode="r")
         actions = np.load(folder / "actions.npy")

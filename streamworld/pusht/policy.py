@@ -19,11 +19,12 @@ import numpy as np
 from .world import WORLD_SIZE, Scene
 
 GOAL_XY = np.array([256.0, 256.0])
+PUSH_SHARE = 0.6  # of the moves, by default (the shipped weights were trained on it)
 _MARGIN = 40.0
 
 
 class ScriptedPolicy:
-    def __init__(self, seed: int, push_share: float = 0.6) -> None:
+    def __init__(self, seed: int, push_share: float = PUSH_SHARE) -> None:
         self.rng = np.random.default_rng(seed)
         self.push_share = push_share
         self.target: np.ndarray | None = None

@@ -95,7 +95,7 @@ async def run(args: argparse.Namespace) -> int:
     print(f"task {args.seed}: start {state_error(world.scene, task.goal)[0]:.0f} world units from the goal")
     world.close()
     result = await run_episode(
-        lambda observed: ClientRollouts.start(args.url, observed, model="pusht", seed=args.seed),
+        lambda observed, _world: ClientRollouts.start(args.url, observed, model="pusht", seed=args.seed),
         task,
         config,
         64,

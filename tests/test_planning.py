@@ -82,7 +82,7 @@ async def test_the_planner_reaches_an_easy_goal_with_the_shipped_model(pusht_mod
     world.close()
     async with AsyncEngine(pusht_model, engine_config) as engine:
         result = await run_episode(
-            lambda frame: EngineRollouts(engine, frame), task, config, 64, budget=24, execute=8
+            lambda frame, _world: EngineRollouts(engine, frame), task, config, 64, budget=24, execute=8
         )
         assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
     assert before[0] > 40.0  # not solved at the start
@@ -106,3 +106,59 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert all(e["plans"] == 1 and e["branches"] == 2 for e in report["episodes"] if not e["success"])
     assert report["summary"]["episodes"] == 2 and report["execute"] == 4
     assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out
+
+
+def test_a_replica_is_the_world_in_the_same_state_and_moves_alone():
+    from streamworld.pusht.world import PushTWorld
+
+    rng = np.random.default_rng(0)
+    world = PushTWorld(64)
+    world.reset(5)
+    for action in rng.uniform(100, 400, (12, 2)):
+        world.step(action)
+    twin = world.replica()
+    try:
+        assert twin.scene == world.scene and np.array_equal(twin.render(), world.render())
+        for action in rng.uniform(100, 400, (6, 2)):  # the same future in both
+            assert np.array_equal(twin.step(action), world.step(action))
+        before = world.scene
+        twin.step([500.0, 500.0])
+        assert world.scene == before  # stepping the replica leaves the original alone
+    finally:
+        twin.close()
+        world.close()
+
+
+async def test_simulator_rollouts_are_the_true_futures_and_plan_an_easy_goal():
+    """SimulatorRollouts roll each candidate out in a replica of the real environment: its
+    frames are what stepping the environment gives, the real one does not move, and the
+    planner with them (a perfect model) reaches the easy goal of the model test."""
+    from streamworld.pusht.planning import SimulatorRollouts
+
+    task = make_task(1, 64, goal_steps=5)
+    world, _ = task.start(64)
+    try:
+        before = world.scene
+        candidates = np.random.default_rng(1).uniform(0, 512, (3, 4, 2)).astype(np.float32)
+        rollouts = SimulatorRollouts(world)
+        frames = await rollouts(candidates)
+        rollouts.close()
+        assert frames.shape == (3, 4, 64, 64, 3) and frames.dtype == np.uint8
+        twin = world.replica()
+        assert all(np.array_equal(twin.step(a), f) for a, f in zip(candidates[2], frames[2], strict=True))
+        twin.close()
+        assert world.scene == before
+    finally:
+        world.close()
+    config = CEMConfig(horizon=8, samples=16, elites=4, iterations=3, knot_frames=2, init_std=60.0)
+    result = await run_episode(
+        lambda frame, world: SimulatorRollouts(world), task, config, 64, budget=24, execute=8
+    )
+    assert result.success, result.to_json()
+
+
+def test_eval_plan_simulator_refuses_model_options(capsys):
+    from streamworld.cli import main
+
+    assert main(["eval", "pusht", "--plan", "--simulator", "--dit", "x.safetensors"]) == 2
+    assert "--simulator plans without the model" in capsys.readouterr().err

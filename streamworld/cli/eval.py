@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -58,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--cuda-graphs",
         action="store_true",
         help="replay the DiT's blocks from CUDA graphs (as `serve --cuda-graphs`); CUDA devices only",
+    )
+    plan.add_argument(
+        "--simulator",
+        action="store_true",
+        help="roll the candidates out in the true environment instead of the model: what a perfect "
+        "model would reach with the same search and cost (CPU; no model is loaded)",
     )
     parser.set_defaults(func=run)
 
@@ -122,7 +129,10 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
-    report = asyncio.run(_plan_episodes(_load(args), seeds, config, args))
+    if args.simulator and (args.dit or args.cuda_graphs or args.device != "cpu"):
+        raise UsageError("--simulator plans without the model: drop --dit, --device and --cuda-graphs")
+    arguments.check_output_folder("--json", args.json)
+    report = asyncio.run(_plan_episodes(seeds, config, args))
     s = report["summary"]
     print("| episodes | success | mean steps | plan s (mean / p90) | branches/s |")
     print("| --- | --- | --- | --- | --- |")
@@ -134,14 +144,23 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
     return 0
 
 
-async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespace) -> dict:
-    from tqdm import tqdm
-
+@contextlib.asynccontextmanager
+async def _rollouts(args: argparse.Namespace, config):
+    """(what plans, frame size, rollouts_for(frame, world, seed)) for `_plan_episodes`."""
     from ..engine import AsyncEngine, EngineConfig, SchedulerConfig
+    from ..models import get_preset
     from ..planning import EngineRollouts
-    from ..pusht.planning import make_task, run_episode, summary
+    from ..pusht.planning import SimulatorRollouts
 
-    size = model.config.height
+    if args.simulator:
+        size = get_preset(args.model).height
+        yield (
+            {"model": args.model, "rollouts": "simulator", "device": "cpu"},
+            size,
+            lambda frame, world, seed: SimulatorRollouts(world),
+        )
+        return
+    model = _load(args)
     engine_config = EngineConfig(
         ttff_budget_s=1e3,
         scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, config.samples)),
@@ -149,13 +168,25 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
         max_fork_branches=config.samples,
         cuda_graphs=args.cuda_graphs,
     )
+    async with AsyncEngine(model, engine_config) as engine:
+        yield (
+            {"model": model.config.id, "rollouts": "model", "device": str(model.device)},
+            model.config.height,
+            (lambda frame, world, seed: EngineRollouts(engine, frame, seed)),
+        )
+
+
+async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    from ..pusht.planning import make_task, run_episode, summary
+
     results = []
     started = time.perf_counter()
 
-    def report(complete: bool) -> dict:
+    def report(planner: dict, complete: bool) -> dict:
         return {
-            "model": model.config.id,
-            "device": str(model.device),
+            **planner,
             "complete": complete,
             "seeds": seeds,
             "goal_steps": args.goal_steps,
@@ -166,12 +197,12 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
             "episodes": [r.to_json() for r in results],
         }
 
-    async with AsyncEngine(model, engine_config) as engine:
+    async with _rollouts(args, config) as (planner, size, rollouts_for):
         bar = tqdm(seeds, desc="planning pusht", unit="episode")
         for seed in bar:
             task = make_task(seed, size, args.goal_steps)
             result = await run_episode(
-                lambda frame, seed=seed: EngineRollouts(engine, frame, seed),
+                lambda frame, world, seed=seed: rollouts_for(frame, world, seed),
                 task,
                 config,
                 size,
@@ -182,5 +213,5 @@ async def _plan_episodes(model, seeds: list[int], config, args: argparse.Namespa
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
             if args.json:  # the episodes so far survive an interrupted run
-                Path(args.json).write_text(json.dumps(report(False), indent=2) + "\n")
-    return report(True)
+                Path(args.json).write_text(json.dumps(report(planner, False), indent=2) + "\n")
+    return report(planner, True)

@@ -22,6 +22,7 @@ target relative to the agent instead).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 from collections.abc import Awaitable, Callable
@@ -113,6 +114,32 @@ def frame_cost(goal_frame: np.ndarray, shape_weight: float = 200.0) -> Callable[
     return cost
 
 
+class SimulatorRollouts:
+    """Rollouts in the true environment instead of the model: each candidate runs in a
+    replica of `world` as it is now, and its frames are drawn as the model's would be. With
+    the same search and cost, planning with these is what a perfect model would reach, so
+    it separates what the model costs from what the search and the cost cost
+    (`eval pusht --plan --simulator`)."""
+
+    def __init__(self, world: PushTWorld) -> None:
+        self.world = world.replica()  # a snapshot: the real world moves on after the plan
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        out = np.empty((*candidates.shape[:2], self.world.size, self.world.size, 3), np.uint8)
+        for k, actions in enumerate(candidates):
+            twin = self.world.replica()
+            try:
+                for h, action in enumerate(actions):
+                    out[k, h] = twin.step(action)
+            finally:
+                twin.close()
+            await asyncio.sleep(0)  # seconds of physics: let the event loop breathe
+        return out
+
+    def close(self) -> None:
+        self.world.close()
+
+
 @dataclass
 class EpisodeResult:
     seed: int
@@ -140,7 +167,7 @@ class EpisodeResult:
 
 
 async def run_episode(
-    rollouts_for: Callable[[np.ndarray], Rollouts | Awaitable[Rollouts]],
+    rollouts_for: Callable[[np.ndarray, PushTWorld], Rollouts | Awaitable[Rollouts]],
     task: Task,
     config: CEMConfig,
     size: int,
@@ -149,12 +176,14 @@ async def run_episode(
     seed: int = 0,
     record: bool = False,
 ) -> EpisodeResult:
-    """Model-predictive control: plan with `cem` from the observed frame (a new set of
-    rollouts from it each time: `rollouts_for(frame)`, or an awaitable of them; their
-    `close()`, if any, is called, and awaited if it returns an awaitable, after the plan),
-    run the first `execute` actions
-    (default: the whole horizon) in the real environment, and again, until the goal is
-    reached or `budget` steps are spent."""
+    """Model-predictive control: plan with `cem` from the observed frame, run the plan's
+    first `execute` actions (default: the whole horizon) in the real environment, and again,
+    until the goal is reached or `budget` steps are spent.
+
+    Each plan gets new rollouts from `rollouts_for(frame, world)` (the observed frame and
+    the real environment, which `SimulatorRollouts` copies), or from the awaitable it
+    returns; their `close()`, if any, is called after the plan, and awaited if it returns an
+    awaitable."""
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
@@ -163,7 +192,7 @@ async def run_episode(
     mean = None
     try:
         while not result.success and result.steps < budget:
-            rollouts = rollouts_for(frame)
+            rollouts = rollouts_for(frame, world)
             if inspect.isawaitable(rollouts):  # e.g. ClientRollouts.start: a session to open
                 rollouts = await rollouts
             try:

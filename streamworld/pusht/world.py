@@ -62,22 +62,39 @@ class PushTWorld:
             raise ValueError(f"frame size must divide {WORLD_SIZE}, got {size}")
         self.size = size
         self.env = _import_env()(obs_type="state")
-        self._seeded = False
+        self.seed: int | None = None
+        self.actions: list[np.ndarray] = []  # every action since reset (to replay the episode)
 
     def reset(self, seed: int) -> np.ndarray:
         """Start the episode of `seed` (the environment's own random initial state)."""
         self.env.reset(seed=int(seed))
-        self._seeded = True
+        self.seed = int(seed)
+        self.actions = []
         return self.render()
 
     def step(self, action) -> np.ndarray:
-        if not self._seeded:
+        if self.seed is None:
             raise RuntimeError("call reset(seed) before step()")
         a = np.asarray(action, dtype=np.float64).reshape(2)
         if not np.all(np.isfinite(a)):
             raise ValueError(f"action must be finite, got {a}")
-        self.env.step(np.clip(a, 0.0, WORLD_SIZE))
+        a = np.clip(a, 0.0, WORLD_SIZE)
+        self.env.step(a)
+        self.actions.append(a)
         return self.render()
+
+    def replica(self) -> PushTWorld:
+        """A second environment in exactly this one's state: the episode replayed from its
+        seed, without drawing (the physics is deterministic; pymunk's state cannot be
+        copied directly)."""
+        if self.seed is None:
+            raise RuntimeError("call reset(seed) before replica()")
+        twin = PushTWorld(self.size)
+        twin.env.reset(seed=self.seed)
+        for a in self.actions:
+            twin.env.step(a)
+        twin.seed, twin.actions = self.seed, list(self.actions)
+        return twin
 
     @property
     def scene(self) -> Scene:

@@ -63,7 +63,8 @@ class PushTWorld:
         self.size = size
         self.env = _import_env()(obs_type="state")
         self.seed: int | None = None
-        self.actions: list[np.ndarray] = []  # every action since reset (to replay the episode)
+        # Every action since reset, to replay the episode (`replica`); about 130 bytes a step.
+        self.actions: list[np.ndarray] = []
 
     def reset(self, seed: int) -> np.ndarray:
         """Start the episode of `seed` (the environment's own random initial state)."""

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return run_plan(args, seeds)
     if args.horizon < 1:
         raise UsageError("--horizon must be at least 1")
+    arguments.check_output_folder("--json", args.json)
     model = _load(args)
     modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
     report = evaluate(model, seeds, modes, horizon=args.horizon)
@@ -90,11 +91,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace):
-    """The model to evaluate, once the output folder and the weights are checked."""
+    """The model to evaluate, once its weights are checked (the callers check the output
+    folder first, before any time is spent)."""
     from ..models import get_preset
     from ..models.world_model import WeightPaths
 
-    arguments.check_output_folder("--json", args.json)
     if args.dit is not None and not Path(args.dit).exists():
         raise UsageError(f"--dit: {args.dit} does not exist")
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
@@ -172,7 +173,7 @@ async def _rollouts(args: argparse.Namespace, config):
         yield (
             {"model": model.config.id, "rollouts": "model", "device": str(model.device)},
             model.config.height,
-            (lambda frame, world, seed: EngineRollouts(engine, frame, seed)),
+            lambda frame, world, seed: EngineRollouts(engine, frame, seed),
         )
 
 

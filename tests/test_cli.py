@@ -247,6 +247,23 @@ def test_serve_refuses_a_port_out_of_range_before_loading_anything(capsys, monke
     assert "serving" not in captured.out
 
 
+def test_serve_that_fails_to_load_stops_its_thread_governor(capsys):
+    """The governor `serve` starts on a CPU must not outlive it when loading fails: left
+    running, it went on changing the process's PyTorch thread count (and with it the bits of
+    every later CPU result in the process)."""
+    import threading
+
+    import torch
+
+    before = torch.get_num_threads()
+    assert main(["serve", "--decoder", "lite", "--port", "0"]) == 2  # fails while loading
+    assert "no VAE decoder to replace" in capsys.readouterr().err
+    assert not [t for t in threading.enumerate() if t.name == "streamworld-threads"]
+    from streamworld.engine.executor import cpu_worker
+
+    assert cpu_worker().submit(torch.get_num_threads).result() == before
+
+
 @pytest.mark.parametrize("host", ["in-use", "no-such-host.invalid"])
 def test_serve_refuses_an_address_it_cannot_listen_on_before_loading_anything(capsys, monkeypatch, host):
     import socket

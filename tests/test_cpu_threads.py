@@ -79,3 +79,17 @@ def test_machine_busy_seconds_reads_proc_stat(tmp_path):
 def test_the_governor_does_not_start_without_proc_stat():
     governor = ThreadGovernor(lambda n: None, cores=2, read_machine=lambda: None)
     assert not governor.available()
+
+
+def test_stopping_the_governor_puts_back_the_thread_count_it_found():
+    applied = []
+    governor = ThreadGovernor(
+        applied.append, cores=2, interval_s=60, read_machine=lambda: 0.0, read_threads=lambda: 1
+    )
+    governor.start()
+    assert applied == [2] and governor._thread is not None and governor._thread.is_alive()
+    thread = governor._thread
+    governor.stop()
+    assert applied == [2, 1] and not thread.is_alive()
+    governor.stop()  # a second stop changes nothing
+    assert applied == [2, 1]

@@ -280,9 +280,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(config.deploy.server.log_level.upper())
     check_address(config.host, config.port)  # before the models load: a taken port fails at once
     governor = loading.apply_threads(deployment.model_namespace(config.deploy, 0), adaptive=True)
-    models = load_served_models(config.deploy, config.placements)
-    try:
-        _run_server(config, models)
+    try:  # stopped however serving ends, a model that fails to load included
+        _run_server(config, load_served_models(config.deploy, config.placements))
     finally:
         if governor is not None:
             governor.stop()

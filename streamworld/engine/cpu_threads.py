@@ -94,6 +94,7 @@ class ThreadGovernor:
         interval_s: float = 1.0,
         read_machine: Callable[[], float | None] = machine_busy_seconds,
         read_own: Callable[[], float] = time.process_time,
+        read_threads: Callable[[], int] | None = None,
     ) -> None:
         self.cores = cores or usable_cores()
         self.policy = ThreadPolicy(self.cores, threads=self.cores)
@@ -101,6 +102,9 @@ class ThreadGovernor:
         self.interval_s = interval_s
         self.read_machine = read_machine
         self.read_own = read_own
+        # The count in force before `start`, read with `read_threads`; `stop` puts it back.
+        self.read_threads = read_threads
+        self._before: int | None = None
         # The latest changes: (monotonic time, threads, others' cores).
         self.changes: deque[tuple[float, int, float]] = deque(maxlen=64)
         self._stop = threading.Event()
@@ -115,15 +119,21 @@ class ThreadGovernor:
         return self.read_machine() is not None
 
     def start(self) -> ThreadGovernor:
+        self._before = self.read_threads() if self.read_threads is not None else None
         self.apply(self.cores)
         self._thread = threading.Thread(target=self._run, name="streamworld-threads", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stops sampling and puts back the thread count in force before `start`."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            self._thread = None
+        if self._before is not None:
+            self.apply(self._before)
+            self._before = None
 
     def sample(self) -> float | None:
         """Other processes' CPU use since the last sample, in cores (None on the first)."""
@@ -151,9 +161,11 @@ class ThreadGovernor:
     @classmethod
     def for_torch(cls, **kwargs) -> ThreadGovernor:
         """A governor that sets the thread count of the process's PyTorch CPU worker."""
+        import torch
+
         from .executor import set_cpu_threads
 
-        return cls(set_cpu_threads, **kwargs)
+        return cls(set_cpu_threads, read_threads=torch.get_num_threads, **kwargs)
 
     def _run(self) -> None:
         self.sample()

@@ -125,11 +125,37 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--minutes", "0"), ("--block-weight", "-1"), ("--block-weight", "nan"), ("--push-share", "1.5")],
+    [
+        ("--minutes", "0"),
+        ("--block-weight", "-1"),
+        ("--block-weight", "nan"),
+        ("--push-share", "1.5"),
+        ("--rollout-share", "1.5"),
+        ("--rollout-every", "0"),
+    ],
 )
 def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), flag, value]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_train_cli_trains_on_its_own_rollouts(tmp_path):
+    work = tmp_path / "w"
+    argv = [
+        "train",
+        "pusht",
+        "--smoke",
+        "--workdir",
+        str(work),
+        "--total-steps",
+        "3",
+        "--rollout-share",
+        "0.5",
+    ]
+    assert cli_main(argv) == 0
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert summary["step"] == 3 and summary["rollout_refreshes"] == 2  # steps 0 and 2 (every 2 in --smoke)
+    assert all("loss_rollout" in entry for entry in summary["history"])
 
 
 # --- anchored pixel latents --------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -120,3 +121,96 @@ def test_block_weight_adds_the_error_on_block_pixels(tmp_path):
     block_part = losses[1.0] - losses[0.0]
     assert block_part > 0.01 * losses[0.0]
     assert losses[3.0] - losses[0.0] == pytest.approx(3 * block_part, rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset
+
+    folder = tmp_path_factory.mktemp("pusht-data")
+    generate_dataset(DatasetSpec(episodes=2, steps=16, size=64, seed=3), folder, workers=1, progress=False)
+    return Dataset.load(folder)
+
+
+def _trainer(small_data, tmp_path, name, **overrides):
+    from streamworld.pusht.train import TrainConfig, Trainer
+
+    config = TrainConfig(batch_size=4, rollout_episodes=2, rollout_frames=16, **overrides)
+    return Trainer(smoke_config(PUSHT), config, small_data, tmp_path / name, "cpu")
+
+
+def test_rollout_context_is_the_served_prediction_aligned_with_the_true_clip(small_data, tmp_path):
+    """Each rollout is what the reference generator predicts for its episode and seed; a
+    sample's context copy is that rollout at exactly the steps of its true clip, and only its
+    last chunk (whose window is full) is trained."""
+    from streamworld.engine import GenerationRequest, ReferenceGenerator
+
+    trainer = _trainer(small_data, tmp_path, "r", rollout_share=0.5)
+    rollouts = trainer.rollouts
+    rollouts.refresh()
+    cfg, b = trainer.mcfg, trainer.batcher
+    for r, (e, seed) in enumerate(zip(rollouts.episodes.tolist(), rollouts.seeds.tolist(), strict=True)):
+        request = GenerationRequest(
+            seed=seed,
+            num_chunks=16 // cfg.frames_per_chunk,
+            image=np.array(small_data.frames[e, 0]),
+            actions=small_data.actions[e, :16],
+            kv_mode="final",
+        )
+        expected = ReferenceGenerator(trainer.model).generate(request).frames
+        assert torch.equal(rollouts.frames[r], torch.from_numpy(expected))
+    batch = rollouts.sample(16)
+    n, chunk = b.clip, b.chunk
+    to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # noqa: E731
+    starts = set()
+    for clip, own, actions in zip(
+        to_uint8(batch["frames"]), to_uint8(batch["own"]), batch["actions"], strict=True
+    ):
+        matches = [
+            (r, start)
+            for r, e in enumerate(rollouts.episodes.tolist())
+            for start in range(1, 16 - n + 2)
+            if torch.equal(clip[1:], b.frames[e, start : start + n])
+            and torch.equal(own, rollouts.frames[r, start - 1 : start - 1 + n])
+            and torch.equal(actions, b.actions[e, start - 1 : start - 1 + n])
+        ]
+        assert matches, "the context copy is not the rollout at the clip's steps"
+        assert torch.equal(clip[0], b.frames[rollouts.episodes[matches[0][0]], 0])  # the sink
+        starts.add(matches[0][1])
+    assert starts <= {1, 5}  # the trained chunk starts at 9 or 13: the clip at 1 or 5
+    assert batch["loss_chunks"].tolist() == [[False] * (n // chunk - 1) + [True]] * 16
+
+
+def test_a_rollout_sample_is_a_final_sample_with_the_models_context(small_data, tmp_path):
+    """The same draws: with the true frames as its own context, a rollout sample's loss is a
+    `final` sample's; with the rollout's frames it differs (the context reaches the loss)."""
+    own = _trainer(small_data, tmp_path, "own", rollout_share=1.0)
+    final = _trainer(small_data, tmp_path, "final", regime_weights=(0.0, 1.0, 0.0))
+    batch = own.next_batch()
+    assert own.rollouts.refreshes == 1 and batch["own_mask"].all()
+    truth = {**batch, "own": batch["frames"][:, :, 1:]}
+    losses = []
+    for trainer, b in [
+        (own, truth),
+        (final, {k: v for k, v in batch.items() if not k.startswith("own")}),
+        (own, batch),
+    ]:
+        trainer.gen.manual_seed(11)
+        with torch.no_grad():
+            losses.append(float(trainer.loss(b)[0]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert abs(losses[2] - losses[0]) > 1e-4 * losses[0]
+
+
+def test_batches_mix_true_and_own_context_and_rollouts_follow_the_weights(small_data, tmp_path):
+    mixed = _trainer(small_data, tmp_path, "mix", rollout_share=0.5).next_batch()
+    assert mixed["own_mask"].tolist() == [False, False, True, True]
+    assert torch.equal(mixed["own"][:2], torch.zeros_like(mixed["own"][:2]))
+    trainer = _trainer(small_data, tmp_path, "every", rollout_share=0.5, rollout_every=2)
+    trainer.train_step()  # step 0: the first rollouts
+    before = trainer.rollouts.frames.clone()
+    trainer.train_step()  # step 1: the same rollouts
+    assert trainer.rollouts.refreshes == 1 and torch.equal(before, trainer.rollouts.frames)
+    stats = trainer.train_step()  # step 2: made again, with the weights of two steps later
+    assert trainer.rollouts.refreshes == 2 and "loss_rollout" in stats
+    assert not torch.equal(before, trainer.rollouts.frames)

@@ -90,6 +90,25 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="extra loss weight on pixels where the block is or was at the start (default 0)",
     )
+    group.add_argument(
+        "--rollout-share",
+        type=float,
+        default=0.0,
+        help="share of each batch whose context is the model's own rollout of the episode instead of "
+        "the true frames; the target stays the truth (default 0; docs/pusht.md)",
+    )
+    group.add_argument(
+        "--rollout-every",
+        type=int,
+        default=100,
+        help="steps between two rounds of rollouts with the current weights (default 100)",
+    )
+    group.add_argument(
+        "--rollout-episodes", type=int, default=32, help="episodes rolled out per round (default 32)"
+    )
+    group.add_argument(
+        "--rollout-frames", type=int, default=32, help="frames per rollout, whole chunks (default 32)"
+    )
     group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
 
@@ -116,6 +135,7 @@ def _configs(args: argparse.Namespace):
         seed=args.seed,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
+        **_rollout_options(args),
     )
     if not args.smoke:
         return config, spec, train_config, args.device
@@ -131,17 +151,36 @@ def _configs(args: argparse.Namespace):
         checkpoint_every=2,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
+        **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
     )
     return config, spec, train_config, "cpu"
+
+
+def _rollout_options(args: argparse.Namespace) -> dict:
+    return {
+        "rollout_share": args.rollout_share,
+        "rollout_every": args.rollout_every,
+        "rollout_episodes": args.rollout_episodes,
+        "rollout_frames": args.rollout_frames,
+    }
 
 
 def _check(args: argparse.Namespace, workdir: Path) -> None:
     for name in ("change_weight", "block_weight"):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
-    if not 0 <= args.push_share <= 1:
-        raise UsageError("--push-share must be in [0, 1]")
-    for name in ("episodes", "steps_per_episode", "total_steps", "batch_size"):
+    for name in ("push_share", "rollout_share"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
+    for name in (
+        "episodes",
+        "steps_per_episode",
+        "total_steps",
+        "batch_size",
+        "rollout_every",
+        "rollout_episodes",
+        "rollout_frames",
+    ):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.minutes <= 0:

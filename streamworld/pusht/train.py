@@ -18,6 +18,12 @@ itself. What the context copy holds decides which KV mode a sample trains for:
 - `noisy`: the very latents being denoised, every chunk at one shared level (`noisy` mode
   reads the K/V earlier chunks wrote at the same step).
 
+- `rollout` (`rollout_share` of each batch): the model's own prediction of the episode, made
+  by the serving path from the episode's first frame and its actions (`RolloutContext`),
+  noised as in `final`; the target is still the true clip. Serving and planning read what the
+  model predicted, not the truth, and errors compound; these samples teach the model to
+  steer back from its own drift instead of continuing it.
+
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
 only the last chunk, whose window is full, is trained: it stands for the steady state where
@@ -74,6 +80,13 @@ class TrainConfig:
     # it was): the block wherever it is or was, moving or not, so that a pushed block costs its
     # whole shape and a still one costs it to dissolve.
     block_weight: float = 0.0
+    # Share of each batch whose context is the model's own rollout (`RolloutContext`); the
+    # rollouts (episodes x frames) are made again with the current weights every
+    # `rollout_every` steps.
+    rollout_share: float = 0.0
+    rollout_every: int = 100
+    rollout_episodes: int = 32
+    rollout_frames: int = 32
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 100
@@ -159,6 +172,101 @@ class ClipBatcher:
         return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
 
 
+class RolloutContext:
+    """The model's own predictions of recorded episodes, as context for training samples.
+
+    `refresh` rolls `episodes` random episodes out from their first frame with their
+    recorded actions, `frames` frames each, through the sequential reference generator (what
+    the engine serves) in `final` mode, with the weights as they are. `sample` then draws
+    clips that end with a chunk whose window is full, inside a rollout: the true frames as
+    the clip and the target, the rollout's frames at the same steps as the context copy.
+    Only the last chunk is trained: the others have no drifted context before them.
+    """
+
+    def __init__(
+        self, model: WorldModel, batcher: ClipBatcher, episodes: int, frames: int, generator: torch.Generator
+    ) -> None:
+        chunk, n = batcher.chunk, batcher.clip
+        if frames < n or frames % chunk:
+            raise ValueError(
+                f"rollouts need whole chunks of {chunk} frames and at least {n} frames, got {frames}"
+            )
+        if batcher.steps < frames:
+            raise ValueError(f"episodes have {batcher.steps} steps; rollouts of {frames} frames need as many")
+        if model.config.first_chunk_frames != model.config.frames_per_chunk:
+            raise ValueError("rollout context assumes a first chunk as long as the others")
+        self.model, self.batcher, self.gen = model, batcher, generator
+        self.num_episodes, self.num_frames = episodes, frames
+        self.episodes: torch.Tensor | None = None  # [R] data set episodes of the rollouts
+        self.seeds: torch.Tensor | None = None  # [R] their noise seeds
+        self.frames: torch.Tensor | None = None  # uint8 [R, frames, S, S, 3]: frames 1..frames
+        self.refreshes = 0
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        from ..engine import GenerationRequest, ReferenceGenerator
+
+        b, dev = self.batcher, self.batcher.device
+        episodes = torch.randint(0, b.frames.shape[0], (self.num_episodes,), generator=self.gen, device=dev)
+        seeds = torch.randint(0, 2**31 - 1, (self.num_episodes,), generator=self.gen, device=dev)
+        generator = ReferenceGenerator(self.model)
+        frames = []
+        for e, seed in zip(episodes.tolist(), seeds.tolist(), strict=True):
+            request = GenerationRequest(
+                seed=seed,
+                num_chunks=self.num_frames // b.chunk,
+                image=b.frames[e, 0].cpu().numpy(),
+                actions=b.actions[e, : self.num_frames].cpu().numpy(),
+                kv_mode="final",
+            )
+            frames.append(torch.from_numpy(generator.generate(request).frames))
+        self.episodes, self.seeds = episodes, seeds
+        self.frames = torch.stack(frames).to(dev)
+        self.refreshes += 1
+
+    def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
+        if self.frames is None or self.episodes is None:
+            raise RuntimeError("refresh() the rollouts before sampling them")
+        b, g, dev = self.batcher, self.gen, self.batcher.device
+        n, chunk = b.clip, b.chunk
+        pick = torch.randint(0, len(self.episodes), (batch_size,), generator=g, device=dev)
+        # The trained chunk c starts at frame 1 + c * chunk; the clip ends with it and starts at
+        # frame 1 at the earliest, so c >= n / chunk - 1 (its window is then full).
+        c = torch.randint(n // chunk - 1, self.num_frames // chunk, (batch_size,), generator=g, device=dev)
+        index = (1 + (c + 1) * chunk - n)[:, None] + torch.arange(n, device=dev)  # frames of the clip
+        episodes = self.episodes[pick]
+        clip = b.frames[episodes[:, None], index]
+        sink = b.frames[episodes, 0][:, None]
+        own = self.frames[pick[:, None], index - 1]  # the rollout's frame f is at f - 1
+
+        def scaled(video: torch.Tensor) -> torch.Tensor:
+            return video.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # [B, 3, T, S, S]
+
+        loss_chunks = torch.zeros(batch_size, n // chunk, dtype=torch.bool, device=dev)
+        loss_chunks[:, -1] = True
+        return {
+            "frames": scaled(torch.cat([sink, clip], 1)),
+            "actions": b.actions[episodes[:, None], index - 1],
+            "loss_chunks": loss_chunks,
+            "own": scaled(own),
+        }
+
+
+def merge_batches(
+    clips: dict[str, torch.Tensor], rollouts: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One batch of `clips` (true context) and `rollouts` (own context); `own_mask` says which."""
+    own_mask = torch.cat(
+        [
+            torch.zeros(len(clips["frames"]), dtype=torch.bool, device=clips["frames"].device),
+            torch.ones(len(rollouts["frames"]), dtype=torch.bool, device=rollouts["frames"].device),
+        ]
+    )
+    merged = {k: torch.cat([clips[k], rollouts[k]]) for k in ("frames", "actions", "loss_chunks")}
+    own = torch.cat([torch.zeros_like(clips["frames"][:, :, 1:]), rollouts["own"]])
+    return {**merged, "own": own, "own_mask": own_mask}
+
+
 def _lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -204,6 +312,7 @@ class Trainer:
             if added:
                 print(f"note: {init} has no spatial action embedding; it starts at zero")
             load_into(model.dit, state, what=f"--init {init}")
+        self.model = model  # the reference generator makes rollouts with it (`RolloutContext`)
         self.dit = model.dit.requires_grad_(True).train()
         self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)
         self.ema = {k: v.detach().clone() for k, v in self.dit.state_dict().items()}
@@ -221,6 +330,15 @@ class Trainer:
         self.step = 0
         self.gen = torch.Generator(device=self.device).manual_seed(train_config.seed)
         self.batcher = ClipBatcher(data, model_config, self.device, self.gen, train_config.start_share)
+        if not 0 <= train_config.rollout_share <= 1:
+            raise ValueError(f"rollout_share must be in [0, 1], got {train_config.rollout_share}")
+        self.rollouts = (
+            RolloutContext(
+                model, self.batcher, train_config.rollout_episodes, train_config.rollout_frames, self.gen
+            )
+            if train_config.rollout_share > 0
+            else None
+        )
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
@@ -301,6 +419,8 @@ class Trainer:
         sink, x0 = latents0[:, :, :1], latents0[:, :, 1:]
         weights = torch.tensor(self.cfg.regime_weights, device=dev)
         regime = torch.multinomial(weights, b, replacement=True, generator=g)  # 0 clean, 1 final, 2 noisy
+        own = batch.get("own_mask", torch.zeros(b, dtype=torch.bool, device=dev))
+        regime = torch.where(own, torch.ones_like(regime), regime)  # own context: as `final` keeps it
         sigma = self._sigmas(b, chunks)
         sigma = torch.where((regime == 2)[:, None], sigma[:, :1].expand(-1, chunks), sigma)
         sigma_f = sigma.repeat_interleave(chunk, 1)  # [B, L]
@@ -309,7 +429,12 @@ class Trainer:
         x_t = (1 - s) * x0 + s * noise
         last = self.steps_sigma[-1]
         ctx_noise = torch.randn(x0.shape, generator=g, device=dev)
-        ctx_final = (1 - last) * x0 + last * ctx_noise
+        x0_ctx = x0
+        if own.any():
+            own_frames = torch.cat([frames[:, :, :1], batch["own"]], 2)
+            own_latents = frames_to_latents(own_frames, self.mcfg.anchored_pixels)[:, :, 1:]
+            x0_ctx = torch.where(own[:, None, None, None, None], own_latents, x0)
+        ctx_final = (1 - last) * x0_ctx + last * ctx_noise
         r = regime[:, None, None, None, None]
         ctx = torch.where(r == 0, x0, torch.where(r == 1, ctx_final, x_t))
         ctx_sigma = torch.where(
@@ -342,17 +467,33 @@ class Trainer:
         with torch.no_grad():
             per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
             for i, name in enumerate(REGIMES):
-                sel = regime == i
+                sel = (regime == i) & ~own
                 if sel.any():
                     stats[f"loss_{name}"] = float(per_sample[sel].mean())
+            if own.any():
+                stats["loss_rollout"] = float(per_sample[own].mean())
         return loss, stats
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """Clips with their true context, and with `rollout_share` the rest with the model's
+        own (made again every `rollout_every` steps)."""
+        size = self.cfg.batch_size
+        own = round(self.cfg.rollout_share * size) if self.rollouts is not None else 0
+        if not own:
+            return self.batcher.sample(size)
+        assert self.rollouts is not None
+        if self.rollouts.frames is None or self.step % self.cfg.rollout_every == 0:
+            self.rollouts.refresh()
+        if own == size:
+            rollouts = self.rollouts.sample(size)
+            return {**rollouts, "own_mask": torch.ones(size, dtype=torch.bool, device=self.device)}
+        return merge_batches(self.batcher.sample(size - own), self.rollouts.sample(own))
 
     def train_step(self) -> dict[str, float]:
         lr = _lr_at(self.step, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        batch = self.batcher.sample(self.cfg.batch_size)
-        loss, stats = self.loss(batch)
+        loss, stats = self.loss(self.next_batch())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.dit.parameters(), self.cfg.grad_clip)
@@ -403,6 +544,7 @@ class Trainer:
             "total_steps": self.cfg.total_steps,
             "seconds": round(elapsed, 1),
             "steps_per_second": round((self.step - first) / max(elapsed, 1e-9), 2),
+            "rollout_refreshes": self.rollouts.refreshes if self.rollouts is not None else 0,
             "last": self.history[-1] if self.history else None,
         }
 

@@ -232,6 +232,24 @@ def test_evaluate_reports_every_horizon_for_model_and_baseline(pusht):
     assert "copy first frame" in table and "model, noisy" in table and "h=8" in table
 
 
+def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):
+    """Teacher-forced, the first chunk is the free-running clean prediction (nothing before it
+    differs); the later chunks see the true frames instead of the predicted ones, and change."""
+    report = evaluate(pusht, [0, 1], ["clean"], horizon=8, progress=False, teacher_forced=True)
+    assert list(report["modes"]) == ["clean", "teacher-forced"]
+    free, forced = report["modes"]["clean"], report["modes"]["teacher-forced"]
+    fpc = pusht.config.frames_per_chunk
+    assert forced["psnr"][:fpc] == free["psnr"][:fpc]
+    assert forced["psnr"][fpc:] != free["psnr"][fpc:]
+    assert "| model, teacher-forced |" in markdown_table(report)
+
+
+def test_eval_cli_refuses_prediction_options_with_plan(capsys):
+    assert cli_main(["eval", "pusht", "--plan", "--teacher-forced"]) == 2
+    assert cli_main(["eval", "pusht", "--plan", "--kv-mode", "final"]) == 2
+    assert "evaluate prediction" in capsys.readouterr().err
+
+
 def test_eval_cli_writes_json(tmp_path, capsys):
     out = tmp_path / "eval.json"
     code = cli_main(

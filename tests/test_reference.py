@@ -33,6 +33,23 @@ def test_kv_modes_are_deterministic_and_differ_after_the_first_chunk(tiny_model)
         assert (results[x][:, f:] - results[y][:, f:]).abs().max() > 1e-4, (x, y)
 
 
+def test_teacher_forcing_commits_the_given_latents_as_each_chunks_context(tiny_model):
+    """Given the free-running run's own latents, teacher forcing is that run exactly; given
+    other latents, the first chunk (no context) is the same and the later ones change."""
+    f = tiny_model.config.latent_frames_per_chunk
+    free = _generate(tiny_model, kv_mode="clean")
+    same = _generate(tiny_model, kv_mode="clean", context_latents=free.latents)
+    assert torch.equal(same.latents, free.latents)
+    other = torch.randn(free.latents.shape, generator=torch.Generator().manual_seed(0))
+    forced = _generate(tiny_model, kv_mode="clean", context_latents=other)
+    assert torch.equal(forced.latents[:, :f], free.latents[:, :f])
+    assert (forced.latents[:, f:] - free.latents[:, f:]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="kv_mode 'clean'"):
+        _generate(tiny_model, kv_mode="final", context_latents=free.latents)
+    with pytest.raises(ValueError, match="shape"):
+        _generate(tiny_model, kv_mode="clean", context_latents=free.latents[:, :f])
+
+
 def test_seed_and_prompt_change_the_output(tiny_model):
     base = _generate(tiny_model, num_chunks=1, prompt="a")
     assert not torch.equal(base.latents, _generate(tiny_model, num_chunks=1, prompt="a", seed=4).latents)

@@ -35,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=arguments.KV_MODES,
         help="KV mode to evaluate; repeat for several (default: all three)",
     )
+    parser.add_argument(
+        "--teacher-forced",
+        action="store_true",
+        help="also predict every chunk from the true past (clean K/V committed from the true frames): "
+        "the error one chunk ahead, without the drift of a free-running rollout",
+    )
     parser.add_argument("--dit", metavar="PATH", help="weights to evaluate (default: the shipped ones)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", metavar="OUT", help="write the full report as JSON")
@@ -83,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     arguments.check_output_folder("--json", args.json)
     model = _load(args)
     modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
-    report = evaluate(model, seeds, modes, horizon=args.horizon)
+    report = evaluate(model, seeds, modes, horizon=args.horizon, teacher_forced=args.teacher_forced)
     print(markdown_table(report))
     print("generation frames/s (reference loop, this machine): " + json.dumps(report["generation_fps"]))
     _write(args, report)
@@ -130,6 +136,8 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
+    if args.teacher_forced or args.kv_modes:
+        raise UsageError("--teacher-forced and --kv-mode evaluate prediction: drop them with --plan")
     if args.simulator and (args.dit or args.cuda_graphs or args.device != "cpu"):
         raise UsageError("--simulator plans without the model: drop --dit, --device and --cuda-graphs")
     arguments.check_output_folder("--json", args.json)

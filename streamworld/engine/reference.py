@@ -118,6 +118,10 @@ class GenerationRequest:
     image: np.ndarray | None = None  # [H, W, 3] uint8, frame 0 of image-to-world models
     actions: np.ndarray | None = None  # [N, action_dim] float32, one row per video frame
     kv_mode: str | None = None
+    # Teacher forcing (evaluation): the true latents of the generated frames [C, T_latent, h, w].
+    # In `clean` mode each chunk's K/V is then committed from these instead of the chunk's
+    # prediction, so every chunk is predicted one chunk ahead of the true past.
+    context_latents: torch.Tensor | None = None
 
 
 @dataclass
@@ -127,6 +131,22 @@ class GenerationResult:
     chunk_frames: list[int]  # video frames per chunk
     kv_bytes: list[int] = field(default_factory=list)  # K/V bytes held after each chunk
     decoder_bytes: list[int] = field(default_factory=list)  # causal decoder cache bytes after each chunk
+
+
+def _context_latents(
+    model: WorldModel, req: GenerationRequest, kv_mode: str, frames: int
+) -> torch.Tensor | None:
+    """The request's teacher-forcing latents on the model's device, checked."""
+    if req.context_latents is None:
+        return None
+    if kv_mode != "clean":
+        raise ValueError(f"teacher forcing commits clean K/V: it needs kv_mode 'clean', not {kv_mode!r}")
+    expected = tuple(model.latent_shape(frames))
+    if tuple(req.context_latents.shape) != expected:
+        raise ValueError(
+            f"context_latents must have shape {expected}, got {tuple(req.context_latents.shape)}"
+        )
+    return req.context_latents.to(model.device, torch.float32)
 
 
 class ReferenceGenerator:
@@ -143,6 +163,7 @@ class ReferenceGenerator:
         fpc = cfg.latent_frames_per_chunk
         offset = 1 if cfg.needs_image else 0
         total_latent = offset + req.num_chunks * fpc
+        truth = _context_latents(model, req, kv_mode, req.num_chunks * fpc)
         num_video = 1 + cfg.temporal_ratio * (total_latent - 1)
         actions = None
         if cfg.action_dim:
@@ -168,7 +189,8 @@ class ReferenceGenerator:
                 text = model.text_context(req.prompt_changes[c])
             seed = req.seed_changes.get(c, seed)
             first = offset + c * fpc
-            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions)
+            true = None if truth is None else truth[:, c * fpc : (c + 1) * fpc]
+            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions, true)
             cache.evict(first + fpc)
             video = self._decode(x0, decoder)
             latents.append(x0.cpu())
@@ -189,8 +211,10 @@ class ReferenceGenerator:
         cache: ContiguousKVCache,
         kv_mode: str,
         actions: torch.Tensor | None,
+        context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Clean latents x0 [C, F, h, w] of one chunk; writes its K/V as the mode says."""
+        """Clean latents x0 [C, F, h, w] of one chunk; writes its K/V as the mode says (a
+        `clean` commit from `context` instead of x0 where given: teacher forcing)."""
         model, cfg = self.model, self.model.config
         sched = model.schedule
         fpc = cfg.latent_frames_per_chunk
@@ -214,7 +238,7 @@ class ReferenceGenerator:
             x0 = sched.x0_from_flow(x, flow, k)
         commit = commit_kv_access(kv_mode)
         if commit is not None:
-            forward(x0, cfg.context_timestep, commit)
+            forward(x0 if context is None else context, cfg.context_timestep, commit)
         return x0
 
     def _prefill_image(

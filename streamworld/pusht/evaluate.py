@@ -12,6 +12,11 @@ h (frames after the first), over all seeds:
   frame and in the predicted one, both located the same way (`world.locate`), with the
   baseline's error for comparison, and how often the model lost the object (not visible).
 
+With `teacher_forced`, one more predictor, `teacher-forced`: every chunk is predicted from
+the true past (`clean` mode, each chunk's K/V committed from the true frames instead of the
+prediction). Its error is the model's error one chunk ahead; the free-running modes' error
+beyond it is drift, the model building on its own mistakes.
+
 Evaluation seeds are the environment's seeds themselves; training episodes use seeds from
 `data.TRAIN_SEED_BASE` on, so no evaluation scene was seen in training.
 """
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import GenerationRequest, ReferenceGenerator
+from ..models.pixels import frames_to_latents
 from ..models.world_model import WorldModel
 from .policy import ScriptedPolicy
 from .world import PushTWorld, locate
@@ -143,8 +149,10 @@ def evaluate(
     horizon: int = 32,
     noise_seed: int = 0,
     progress: bool = True,
+    teacher_forced: bool = False,
 ) -> dict:
-    """Per-horizon metrics of the model in each KV mode and of the copy-first-frame baseline."""
+    """Per-horizon metrics of the model in each KV mode (and teacher-forced) and of the
+    copy-first-frame baseline."""
     from tqdm import tqdm
 
     cfg = model.config
@@ -153,16 +161,17 @@ def evaluate(
     fpc = cfg.frames_per_chunk
     num_chunks = math.ceil(horizon / fpc)
     generator = ReferenceGenerator(model)
-    rows: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in kv_modes}
+    predictors = list(kv_modes) + (["teacher-forced"] if teacher_forced else [])
+    rows: dict[str, list[list[dict[str, float]]]] = {name: [] for name in predictors}
     baseline: list[list[dict[str, float]]] = []
-    seconds = {mode: 0.0 for mode in kv_modes}
+    seconds = {name: 0.0 for name in predictors}
     bar = tqdm(
-        total=len(seeds) * len(kv_modes), desc="evaluating pusht", unit="rollout", disable=not progress
+        total=len(seeds) * len(predictors), desc="evaluating pusht", unit="rollout", disable=not progress
     )
     for seed in seeds:
         ep = record_eval_episode(seed, num_chunks * fpc, cfg.height)
         baseline.append([frame_metrics(ep.frames[0], ep.frames[h]) for h in range(1, horizon + 1)])
-        for mode in kv_modes:
+        for mode in predictors:
             start = time.perf_counter()
             result = generator.generate(
                 GenerationRequest(
@@ -170,7 +179,8 @@ def evaluate(
                     num_chunks=num_chunks,
                     image=ep.frames[0],
                     actions=ep.actions,
-                    kv_mode=mode,
+                    kv_mode="clean" if mode == "teacher-forced" else mode,
+                    context_latents=true_latents(model, ep.frames) if mode == "teacher-forced" else None,
                 )
             )
             seconds[mode] += time.perf_counter() - start
@@ -191,11 +201,18 @@ def evaluate(
         "frame_size": cfg.height,
         "denoising_steps": cfg.num_steps,
         "baseline": summarise(baseline),
-        "modes": {mode: summarise(rows[mode]) for mode in kv_modes},
+        "modes": {mode: summarise(rows[mode]) for mode in predictors},
         "generation_fps": {
-            mode: round(len(seeds) * num_chunks * fpc / seconds[mode], 1) for mode in kv_modes
+            mode: round(len(seeds) * num_chunks * fpc / seconds[mode], 1) for mode in predictors
         },
     }
+
+
+def true_latents(model: WorldModel, frames: np.ndarray) -> torch.Tensor:
+    """The latents of an episode's frames after the first (uint8 [T + 1, S, S, 3]), as the
+    model reads them: [C, T, S, S]."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+    return frames_to_latents(video, model.config.anchored_pixels)[0, :, 1:]
 
 
 def _cell(value: float, digits: int) -> str:

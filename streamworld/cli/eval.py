@@ -44,6 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dit", metavar="PATH", help="weights to evaluate (default: the shipped ones)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", metavar="OUT", help="write the full report as JSON")
+    _add_plan_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan = parser.add_argument_group(
         "planning (--plan)",
         "Goal-reaching with the model as DINO-WM and stable-worldmodel evaluate it (docs/planning.md): "
@@ -72,7 +77,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="roll the candidates out in the true environment instead of the model: what a perfect "
         "model would reach with the same search and cost (CPU; no model is loaded)",
     )
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -173,18 +173,8 @@ def evaluate(
         baseline.append([frame_metrics(ep.frames[0], ep.frames[h]) for h in range(1, horizon + 1)])
         for mode in predictors:
             start = time.perf_counter()
-            result = generator.generate(
-                GenerationRequest(
-                    seed=noise_seed,
-                    num_chunks=num_chunks,
-                    image=ep.frames[0],
-                    actions=ep.actions,
-                    kv_mode="clean" if mode == "teacher-forced" else mode,
-                    context_latents=true_latents(model, ep.frames) if mode == "teacher-forced" else None,
-                )
-            )
+            pred = _predict(generator, ep, mode, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
             seconds[mode] += time.perf_counter() - start
-            pred = result.frames  # [num_chunks * fpc, S, S, 3]: frames 1..
             rows[mode].append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
             bar.update()
     bar.close()
@@ -206,6 +196,22 @@ def evaluate(
             mode: round(len(seeds) * num_chunks * fpc / seconds[mode], 1) for mode in predictors
         },
     }
+
+
+def _predict(
+    generator: ReferenceGenerator, ep: Episode, mode: str, num_chunks: int, noise_seed: int
+) -> np.ndarray:
+    """The frames after the first that `mode` (a KV mode, or teacher-forced) predicts."""
+    forced = mode == "teacher-forced"
+    request = GenerationRequest(
+        seed=noise_seed,
+        num_chunks=num_chunks,
+        image=ep.frames[0],
+        actions=ep.actions,
+        kv_mode="clean" if forced else mode,
+        context_latents=true_latents(generator.model, ep.frames) if forced else None,
+    )
+    return generator.generate(request).frames
 
 
 def true_latents(model: WorldModel, frames: np.ndarray) -> torch.Tensor:

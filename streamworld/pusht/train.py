@@ -453,6 +453,15 @@ class Trainer:
             )
         pred = flow[:, :, 1 + n :].float()
         target = x0 if self.mcfg.prediction == "x0" else noise - x0
+        err = self._weighted_error(pred, target, frames)  # [B, L]
+        mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
+        loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
+        with torch.no_grad():
+            per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        return loss, _regime_losses(per_sample, regime, own)
+
+    def _weighted_error(self, pred: torch.Tensor, target: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """Squared error per sample and frame [B, L], with the change and block weights."""
         err = (pred - target).pow(2)
         if self.cfg.change_weight:
             changed = (frames[:, :, 1:] - frames[:, :, :1]).abs().amax(1, keepdim=True) > 0.1
@@ -460,19 +469,7 @@ class Trainer:
         if self.cfg.block_weight:
             block = block_mask(frames)
             err = err * (1.0 + self.cfg.block_weight * (block[:, :, 1:] | block[:, :, :1]))
-        err = err.mean(dim=(1, 3, 4))  # [B, L]
-        mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
-        loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
-        stats = {}
-        with torch.no_grad():
-            per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-            for i, name in enumerate(REGIMES):
-                sel = (regime == i) & ~own
-                if sel.any():
-                    stats[f"loss_{name}"] = float(per_sample[sel].mean())
-            if own.any():
-                stats["loss_rollout"] = float(per_sample[own].mean())
-        return loss, stats
+        return err.mean(dim=(1, 3, 4))
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         """Clips with their true context, and with `rollout_share` the rest with the model's
@@ -547,6 +544,18 @@ class Trainer:
             "rollout_refreshes": self.rollouts.refreshes if self.rollouts is not None else 0,
             "last": self.history[-1] if self.history else None,
         }
+
+
+def _regime_losses(per_sample: torch.Tensor, regime: torch.Tensor, own: torch.Tensor) -> dict[str, float]:
+    """Mean loss of the samples of each regime present (rollout samples apart)."""
+    stats = {}
+    for i, name in enumerate(REGIMES):
+        sel = (regime == i) & ~own
+        if sel.any():
+            stats[f"loss_{name}"] = float(per_sample[sel].mean())
+    if own.any():
+        stats["loss_rollout"] = float(per_sample[own].mean())
+    return stats
 
 
 def _mean(rows: list[dict]) -> dict[str, float]:

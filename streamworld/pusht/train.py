@@ -21,8 +21,9 @@ itself. What the context copy holds decides which KV mode a sample trains for:
 - `rollout` (`rollout_share` of each batch): the model's own prediction of the episode, made
   by the serving path from the episode's first frame and its actions (`RolloutContext`),
   noised as in `final`; the target is still the true clip. Serving and planning read what the
-  model predicted, not the truth, and errors compound; these samples teach the model to
-  steer back from its own drift instead of continuing it.
+  model predicted, not the truth, and errors compound; these samples are meant to teach the
+  model to steer back from its own drift. Measured once (docs/pusht.md, round 5), they made
+  the drift worse: off by default.
 
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then

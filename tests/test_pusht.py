@@ -247,6 +247,7 @@ def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):
 def test_eval_cli_refuses_prediction_options_with_plan(capsys):
     assert cli_main(["eval", "pusht", "--plan", "--teacher-forced"]) == 2
     assert cli_main(["eval", "pusht", "--plan", "--kv-mode", "final"]) == 2
+    assert cli_main(["eval", "pusht", "--plan", "--steps", "1000"]) == 2
     assert "evaluate prediction" in capsys.readouterr().err
 
 
@@ -259,6 +260,16 @@ def test_eval_cli_writes_json(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["num_seeds"] == 2 and list(report["modes"]) == ["final"]
     assert "| model, final |" in capsys.readouterr().out
+
+
+def test_eval_cli_takes_other_denoising_steps(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    argv = ["eval", "pusht", "--seeds", "0", "--horizon", "4", "--kv-mode", "clean", "--steps", "1000"]
+    assert cli_main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["denoising_steps"] == 1 and report["timesteps"] == [1000.0]
+    assert cli_main([*argv[:-1], "750,900"]) == 2  # must decrease
+    assert "--steps must decrease" in capsys.readouterr().err
 
 
 def test_generate_cli_starts_pusht_from_the_environment(tmp_path):

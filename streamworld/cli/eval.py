@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -40,6 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also predict every chunk from the true past (clean K/V committed from the true frames): "
         "the error one chunk ahead, without the drift of a free-running rollout",
+    )
+    parser.add_argument(
+        "--steps",
+        dest="timesteps",
+        metavar="T,T,...",
+        help="denoising timesteps instead of the preset's 1000,750,500,250, e.g. 1000 for one step "
+        "(with --kv-mode clean: the K/V of `final` would be pure noise)",
     )
     parser.add_argument("--dit", metavar="PATH", help="weights to evaluate (default: the shipped ones)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -110,7 +118,10 @@ def _load(args: argparse.Namespace):
         raise UsageError(f"--dit: {args.dit} does not exist")
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
     options = loading.LoadOptions(device=args.device, dtype="float32")
-    return loading.load_world_model(get_preset(args.model), WeightPaths(dit=args.dit), options)
+    config = get_preset(args.model)
+    if getattr(args, "timesteps", None):
+        config = dataclasses.replace(config, denoising_steps=loading.parse_steps(args.timesteps))
+    return loading.load_world_model(config, WeightPaths(dit=args.dit), options)
 
 
 def _write(args: argparse.Namespace, report: dict) -> None:
@@ -140,8 +151,8 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
-    if args.teacher_forced or args.kv_modes:
-        raise UsageError("--teacher-forced and --kv-mode evaluate prediction: drop them with --plan")
+    if args.teacher_forced or args.kv_modes or args.timesteps:
+        raise UsageError("--teacher-forced, --kv-mode and --steps evaluate prediction: drop them with --plan")
     if args.simulator and (args.dit or args.cuda_graphs or args.device != "cpu"):
         raise UsageError("--simulator plans without the model: drop --dit, --device and --cuda-graphs")
     arguments.check_output_folder("--json", args.json)

@@ -190,6 +190,7 @@ def evaluate(
         "horizon": horizon,
         "frame_size": cfg.height,
         "denoising_steps": cfg.num_steps,
+        "timesteps": list(cfg.denoising_steps),
         "baseline": summarise(baseline),
         "modes": {mode: summarise(rows[mode]) for mode in predictors},
         "generation_fps": {

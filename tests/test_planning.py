@@ -106,6 +106,11 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert all(e["plans"] == 1 and e["branches"] == 2 for e in report["episodes"] if not e["success"])
     assert report["summary"]["episodes"] == 2 and report["execute"] == 4
     assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out
+    assert report["kv_mode"] == "final" and report["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
+    # One denoising step, clean K/V: the planning streams run what the flags say.
+    assert main(["eval", "pusht", "--plan", *args, "--steps", "1000", "--kv-mode", "clean"]) == 0
+    report = json.loads(out.read_text())
+    assert report["kv_mode"] == "clean" and report["timesteps"] == [1000.0] and report["complete"]
 
 
 def test_a_replica_is_the_world_in_the_same_state_and_moves_alone():

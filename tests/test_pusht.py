@@ -246,9 +246,12 @@ def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):
 
 def test_eval_cli_refuses_prediction_options_with_plan(capsys):
     assert cli_main(["eval", "pusht", "--plan", "--teacher-forced"]) == 2
-    assert cli_main(["eval", "pusht", "--plan", "--kv-mode", "final"]) == 2
-    assert cli_main(["eval", "pusht", "--plan", "--steps", "1000"]) == 2
-    assert "evaluate prediction" in capsys.readouterr().err
+    assert "evaluates prediction" in capsys.readouterr().err
+    assert cli_main(["eval", "pusht", "--plan", "--kv-mode", "final", "--kv-mode", "clean"]) == 2
+    assert "one --kv-mode" in capsys.readouterr().err
+    for option in (["--kv-mode", "clean"], ["--steps", "1000"]):
+        assert cli_main(["eval", "pusht", "--plan", "--simulator", *option]) == 2
+        assert "plans without the model" in capsys.readouterr().err
 
 
 def test_eval_cli_writes_json(tmp_path, capsys):

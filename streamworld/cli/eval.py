@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         dest="kv_modes",
         choices=arguments.KV_MODES,
-        help="KV mode to evaluate; repeat for several (default: all three)",
+        help="KV mode to evaluate; repeat for several (default: all three). With --plan: the one KV "
+        "mode of the planning streams (default: the preset's, final)",
     )
     parser.add_argument(
         "--teacher-forced",
@@ -47,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         dest="timesteps",
         metavar="T,T,...",
         help="denoising timesteps instead of the preset's 1000,750,500,250, e.g. 1000 for one step "
-        "(with --kv-mode clean: the K/V of `final` would be pure noise)",
+        "(with --kv-mode clean: the K/V of `final` would be pure noise); with --plan too",
     )
     parser.add_argument("--dit", metavar="PATH", help="weights to evaluate (default: the shipped ones)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -119,8 +120,10 @@ def _load(args: argparse.Namespace):
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
     options = loading.LoadOptions(device=args.device, dtype="float32")
     config = get_preset(args.model)
-    if getattr(args, "timesteps", None):
+    if args.timesteps:
         config = dataclasses.replace(config, denoising_steps=loading.parse_steps(args.timesteps))
+    if args.plan and args.kv_modes:  # the planning streams' KV mode
+        config = dataclasses.replace(config, default_kv_mode=args.kv_modes[0])
     return loading.load_world_model(config, WeightPaths(dit=args.dit), options)
 
 
@@ -151,10 +154,15 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
-    if args.teacher_forced or args.kv_modes or args.timesteps:
-        raise UsageError("--teacher-forced, --kv-mode and --steps evaluate prediction: drop them with --plan")
-    if args.simulator and (args.dit or args.cuda_graphs or args.device != "cpu"):
-        raise UsageError("--simulator plans without the model: drop --dit, --device and --cuda-graphs")
+    if args.teacher_forced:
+        raise UsageError("--teacher-forced evaluates prediction: drop it with --plan")
+    if args.kv_modes and len(set(args.kv_modes)) > 1:
+        raise UsageError("--plan takes one --kv-mode: the KV mode of the planning streams")
+    model_options = args.dit or args.cuda_graphs or args.device != "cpu" or args.kv_modes or args.timesteps
+    if args.simulator and model_options:
+        raise UsageError(
+            "--simulator plans without the model: drop --dit, --device, --cuda-graphs, --kv-mode and --steps"
+        )
     arguments.check_output_folder("--json", args.json)
     report = asyncio.run(_plan_episodes(seeds, config, args))
     s = report["summary"]
@@ -194,7 +202,13 @@ async def _rollouts(args: argparse.Namespace, config):
     )
     async with AsyncEngine(model, engine_config) as engine:
         yield (
-            {"model": model.config.id, "rollouts": "model", "device": str(model.device)},
+            {
+                "model": model.config.id,
+                "rollouts": "model",
+                "device": str(model.device),
+                "kv_mode": model.config.default_kv_mode,
+                "timesteps": list(model.config.denoising_steps),
+            },
             model.config.height,
             lambda frame, world, seed: EngineRollouts(engine, frame, seed),
         )

@@ -119,9 +119,7 @@ def _load(args: argparse.Namespace):
         raise UsageError(f"--dit: {args.dit} does not exist")
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
     options = loading.LoadOptions(device=args.device, dtype="float32")
-    config = get_preset(args.model)
-    if args.timesteps:
-        config = dataclasses.replace(config, denoising_steps=loading.parse_steps(args.timesteps))
+    config = loading.override_preset(get_preset(args.model), args)  # --steps
     if args.plan and args.kv_modes:  # the planning streams' KV mode
         config = dataclasses.replace(config, default_kv_mode=args.kv_modes[0])
     return loading.load_world_model(config, WeightPaths(dit=args.dit), options)

@@ -100,10 +100,11 @@ def weight_paths(args: argparse.Namespace) -> WeightPaths:
 def override_preset(config: ModelConfig, args: argparse.Namespace) -> ModelConfig:
     """The preset with --frame-size, --window, --sink, --chunk, --steps and --default-kv-mode applied."""
     changes: dict = {}
-    if args.frame_size is not None:
-        h, sep, w = args.frame_size.lower().partition("x")
+    frame_size = getattr(args, "frame_size", None)  # commands without --frame-size: eval
+    if frame_size is not None:
+        h, sep, w = frame_size.lower().partition("x")
         if not (sep and h.isdigit() and w.isdigit() and int(h) > 0 and int(w) > 0):
-            raise UsageError(f"--frame-size must look like 320x512, got {args.frame_size!r}")
+            raise UsageError(f"--frame-size must look like 320x512, got {frame_size!r}")
         changes.update(height=int(h), width=int(w))
     changes.update(_geometry_changes(args))
     if not changes:

@@ -22,6 +22,11 @@ from torch import Tensor
 from .vae import DecoderState
 
 
+def frames_from_uint8(video: Tensor) -> Tensor:
+    """uint8 videos [B, T, H, W, 3] -> float32 frames [B, 3, T, H, W] in [-1, 1]."""
+    return video.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+
+
 def frames_to_latents(frames: Tensor, anchored: bool) -> Tensor:
     """Frames [B, 3, T, H, W] in [-1, 1] that start a stream -> their latents (training)."""
     if not anchored:

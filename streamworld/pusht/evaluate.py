@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import GenerationRequest, ReferenceGenerator
-from ..models.pixels import frames_to_latents
+from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel
 from .policy import ScriptedPolicy
 from .world import PushTWorld, locate
@@ -218,7 +218,7 @@ def _predict(
 def true_latents(model: WorldModel, frames: np.ndarray) -> torch.Tensor:
     """The latents of an episode's frames after the first (uint8 [T + 1, S, S, 3]), as the
     model reads them: [C, T, S, S]."""
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+    video = frames_from_uint8(torch.from_numpy(np.ascontiguousarray(frames))[None])
     return frames_to_latents(video, model.config.anchored_pixels)[0, :, 1:]
 
 

@@ -50,7 +50,7 @@ import torch
 
 from ..engine import context_frame_indices
 from ..models.config import ModelConfig
-from ..models.pixels import frames_to_latents
+from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel, resolve_device
 from .data import Dataset, DatasetSpec, generate_dataset
 from .world import block_mask
@@ -167,7 +167,7 @@ class ClipBatcher:
         index = start[:, None] + torch.arange(n, device=dev)  # video frames of the clip
         clip = self.frames[episodes[:, None], index]  # [B, L, S, S, 3]
         sink = self.frames[episodes, 0][:, None]
-        frames = torch.cat([sink, clip], 1).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # [B, 3, 1+L, S, S]
+        frames = frames_from_uint8(torch.cat([sink, clip], 1))  # [B, 3, 1+L, S, S]
         actions = self.actions[episodes[:, None], index - 1]  # action that produced each clip frame
         loss_chunks = at_start[:, None] | self.full_window[None, :]  # [B, chunks]
         return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
@@ -240,16 +240,13 @@ class RolloutContext:
         sink = b.frames[episodes, 0][:, None]
         own = self.frames[pick[:, None], index - 1]  # the rollout's frame f is at f - 1
 
-        def scaled(video: torch.Tensor) -> torch.Tensor:
-            return video.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # [B, 3, T, S, S]
-
         loss_chunks = torch.zeros(batch_size, n // chunk, dtype=torch.bool, device=dev)
         loss_chunks[:, -1] = True
         return {
-            "frames": scaled(torch.cat([sink, clip], 1)),
+            "frames": frames_from_uint8(torch.cat([sink, clip], 1)),
             "actions": b.actions[episodes[:, None], index - 1],
             "loss_chunks": loss_chunks,
-            "own": scaled(own),
+            "own": frames_from_uint8(own),
         }
 
 
@@ -482,9 +479,6 @@ class Trainer:
         assert self.rollouts is not None
         if self.rollouts.frames is None or self.step % self.cfg.rollout_every == 0:
             self.rollouts.refresh()
-        if own == size:
-            rollouts = self.rollouts.sample(size)
-            return {**rollouts, "own_mask": torch.ones(size, dtype=torch.bool, device=self.device)}
         return merge_batches(self.batcher.sample(size - own), self.rollouts.sample(own))
 
     def train_step(self) -> dict[str, float]:

@@ -3,9 +3,12 @@ the /proc/stat reader."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from streamworld.engine.cpu_threads import ThreadGovernor, ThreadPolicy, machine_busy_seconds
+from streamworld.engine.executor import _Worker
 
 
 def test_the_policy_yields_cores_quickly_and_takes_them_back_slowly():
@@ -92,4 +95,25 @@ def test_stopping_the_governor_puts_back_the_thread_count_it_found():
     governor.stop()
     assert applied == [2, 1] and not thread.is_alive()
     governor.stop()  # a second stop changes nothing
+    assert applied == [2, 1]
+
+
+def test_stopping_waits_for_a_queued_restore_to_run():
+    # The real governor queues its changes on the CPU worker; a process that exits while that
+    # change still runs can abort, so `stop` returns only once the restore has run.
+    worker = _Worker("test-governor")
+    applied = []
+
+    def queue_change(threads: int):
+        def change():
+            time.sleep(0.2)
+            applied.append(threads)
+
+        return worker.submit(change)
+
+    governor = ThreadGovernor(
+        queue_change, cores=2, interval_s=60, read_machine=lambda: 0.0, read_threads=lambda: 1
+    )
+    governor.start()
+    governor.stop()
     assert applied == [2, 1]

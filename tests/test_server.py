@@ -464,7 +464,10 @@ async def test_serve_command_exits_cleanly_on_sigterm():
             pass
         assert client.done_reason == "stopped"
         await client.close()
-        assert await asyncio.to_thread(proc.wait, 30) == 0
+        rc = await asyncio.to_thread(proc.wait, 30)
+        if rc != 0:
+            print(proc.stdout.read()[-4000:])
+        assert rc == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -85,11 +86,12 @@ class ThreadPolicy:
 class ThreadGovernor:
     """Samples the machine every `interval_s` on a daemon thread and applies the policy's
     changes through `apply(threads)` (which must run `torch.set_num_threads` where the
-    process does its PyTorch CPU work)."""
+    process does its PyTorch CPU work; where it queues the change and returns a Future,
+    `stop` waits for the last one)."""
 
     def __init__(
         self,
-        apply: Callable[[int], None],
+        apply: Callable[[int], object],
         cores: int | None = None,
         interval_s: float = 1.0,
         read_machine: Callable[[], float | None] = machine_busy_seconds,
@@ -132,8 +134,13 @@ class ThreadGovernor:
             self._thread.join(timeout=5)
             self._thread = None
         if self._before is not None:
-            self.apply(self._before)
+            done = self.apply(self._before)
             self._before = None
+            # Wait for a queued change to run: a process that exits while PyTorch resizes its
+            # thread pool on another thread aborts ("terminate called without an active
+            # exception").
+            if isinstance(done, Future):
+                done.result(timeout=30)
 
     def sample(self) -> float | None:
         """Other processes' CPU use since the last sample, in cores (None on the first)."""

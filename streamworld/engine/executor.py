@@ -86,10 +86,10 @@ def on_torch_thread(device: torch.device | str, fn: Callable[[], T]) -> T:
             continue
 
 
-def set_cpu_threads(threads: int) -> None:
-    """Sets PyTorch's CPU thread count on the CPU worker, between two pieces of work (queued,
-    not waited for)."""
-    cpu_worker().submit(torch.set_num_threads, threads)
+def set_cpu_threads(threads: int) -> Future[None]:
+    """Sets PyTorch's CPU thread count on the CPU worker, between two pieces of work; returns
+    the queued change's future (callers on the event loop do not wait for it)."""
+    return cpu_worker().submit(torch.set_num_threads, threads)
 
 
 def resolve_overlap(asked: bool | None, device: torch.device, num_ranks: int) -> bool:

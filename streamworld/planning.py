@@ -39,12 +39,20 @@ class CEMConfig:
     min_std: float = 4.0
     low: float = 0.0  # action bounds
     high: float = 512.0
+    # Sample-efficiency options after iCEM (Pinneri et al., 2020). `noise_beta`: the samples'
+    # noise has power falling as 1/f^beta along the knots (0: white; 2: a random walk's
+    # smooth drift). `keep_elites`: the cheapest this many candidates of an iteration join
+    # the next iteration's refit with the costs they had; they are not rolled out again.
+    noise_beta: float = 0.0
+    keep_elites: int = 0
 
     def check(self) -> None:
         if self.horizon < 1 or self.samples < 2 or not 1 <= self.elites <= self.samples:
             raise ValueError("need horizon >= 1, samples >= 2 and 1 <= elites <= samples")
         if self.iterations < 1 or self.knot_frames < 1 or self.init_std <= 0 or self.min_std < 0:
             raise ValueError("need iterations >= 1, knot_frames >= 1, init_std > 0 and min_std >= 0")
+        if not 0 <= self.noise_beta <= 4 or not 0 <= self.keep_elites <= self.elites:
+            raise ValueError("need 0 <= noise_beta <= 4 and 0 <= keep_elites <= elites")
 
 
 class Rollouts(Protocol):
@@ -80,28 +88,32 @@ async def cem(
 ) -> Plan:
     """The cross-entropy method: sample `samples` piecewise-constant action sequences around
     the mean (first: `start` held, or `mean`, e.g. the last plan shifted), roll them all out
-    as one fork, refit mean and spread to the `elites` cheapest, `iterations` times. `cost`
-    maps one candidate's predicted frames to a number (lower is better). `keep_candidates`
-    keeps every candidate's frames of the fork the plan came from (to show them)."""
+    as one fork, refit mean and spread to the `elites` cheapest (of these and the
+    `keep_elites` carried from the last iteration), `iterations` times. `cost` maps one
+    candidate's predicted frames to a number (lower is better). `keep_candidates` keeps every
+    candidate's frames of the fork the plan came from (to show them)."""
     config.check()
     t0 = time.perf_counter()
     knots = -(-config.horizon // config.knot_frames)
     dim = len(start)
     mu = np.repeat(np.asarray(start, np.float64)[None], knots, 0) if mean is None else mean.astype(np.float64)
     std = np.full((knots, dim), config.init_std)
+    carried, carried_costs = np.empty((0, knots, dim)), np.empty(0)
     best: Plan | None = None
     history = []
     for _ in range(config.iterations):
-        noise = rng.standard_normal((config.samples, knots, dim))
+        noise = colored_noise(rng, (config.samples, knots, dim), config.noise_beta)
         samples = np.clip(mu + std * noise, config.low, config.high)
         samples[0] = np.clip(mu, config.low, config.high)  # the mean itself is always tried
         candidates = np.repeat(samples, config.knot_frames, axis=1)[:, : config.horizon].astype(np.float32)
         frames = await rollouts(candidates)
         costs = np.array([cost(f) for f in frames])
-        order = np.argsort(costs)
-        elite = samples[order[: config.elites]]
+        pool, pool_costs = np.concatenate([samples, carried]), np.concatenate([costs, carried_costs])
+        order = np.argsort(pool_costs, kind="stable")
+        elite = pool[order[: config.elites]]
         mu, std = elite.mean(0), np.maximum(elite.std(0), config.min_std)
-        i = int(order[0])
+        carried, carried_costs = pool[order[: config.keep_elites]], pool_costs[order[: config.keep_elites]]
+        i = int(np.argmin(costs))
         history.append(float(costs[i]))
         if best is None or costs[i] < best.cost:
             kept = frames if keep_candidates else None
@@ -112,6 +124,32 @@ async def cem(
     best.seconds = time.perf_counter() - t0
     best.mean = mu  # to warm-start the next plan
     return best
+
+
+def colored_noise(rng: np.random.Generator, shape: tuple[int, ...], beta: float) -> np.ndarray:
+    """Standard normal noise of `shape` [samples, time, ...] whose power along the time axis
+    falls as 1/f^beta: white for beta 0, smoother as beta grows. Drawn in the frequency
+    domain; every element has variance 1 (the spectrum's scale is divided out exactly)."""
+    n = shape[1]
+    if beta == 0 or n < 2:
+        return rng.standard_normal(shape)
+    freqs = np.fft.rfftfreq(n)
+    freqs[0] = freqs[1]  # the constant term as strong as the slowest wave
+    scale = freqs ** (-beta / 2)
+    # irfft keeps only the real part of the constant term (and of the Nyquist term for even
+    # n), which a white spectrum draws with twice the variance of the other terms' parts.
+    real_only = np.zeros(len(freqs), bool)
+    real_only[0] = True
+    real_only[-1] |= n % 2 == 0
+    scale = np.where(real_only, np.sqrt(2.0) * scale, scale)
+    extra = (1,) * (len(shape) - 2)
+    spectrum_shape = (shape[0], len(freqs), *shape[2:])
+    spectrum = rng.standard_normal(spectrum_shape) + 1j * rng.standard_normal(spectrum_shape)
+    x = np.fft.irfft(spectrum * scale.reshape(-1, *extra), n=n, axis=1)
+    # The variance each term adds, over n^2: a real-only term its scale^2; every other term
+    # adds itself and its conjugate, 2 Re(X e^(i theta)), of variance 4 scale^2.
+    variance = np.where(real_only, 1.0, 4.0) * scale**2
+    return x / (np.sqrt(variance.sum()) / n)
 
 
 class EngineRollouts:

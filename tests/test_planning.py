@@ -39,6 +39,56 @@ def test_cem_finds_the_action_sequence_a_known_cost_wants():
 def test_cem_refuses_a_bad_configuration():
     with pytest.raises(ValueError, match="elites"):
         CEMConfig(samples=4, elites=5).check()
+    with pytest.raises(ValueError, match="keep_elites"):
+        CEMConfig(elites=4, keep_elites=5).check()
+    with pytest.raises(ValueError, match="noise_beta"):
+        CEMConfig(noise_beta=-1.0).check()
+
+
+def test_kept_elites_join_the_next_refit_with_their_costs_and_are_not_rolled_out_again():
+    """An iteration whose candidates are all worse than the last iteration's elites: with
+    every elite kept the distribution stays the last elites' mean; without, it moves to the
+    new worse candidates."""
+    seen = []
+
+    async def rollouts(candidates: np.ndarray) -> np.ndarray:
+        seen.append(len(candidates))
+        return np.full((len(candidates), 1), len(seen), np.float64)  # "frames": the iteration
+
+    def cost(frames: np.ndarray) -> float:
+        return float(frames[-1]) * 1000.0 + np.random.default_rng(len(seen)).random()
+
+    def plan(keep: int):
+        seen.clear()
+        config = CEMConfig(horizon=2, samples=8, elites=4, iterations=2, knot_frames=1, keep_elites=keep)
+        return asyncio.run(cem(rollouts, cost, np.array([100.0, 100.0]), config, np.random.default_rng(1)))
+
+    first = plan(0)  # the reference: the same draws, nothing kept
+    kept = plan(4)
+    assert seen == [8, 8]  # kept elites cost no rollouts
+    assert not np.allclose(first.mean, kept.mean)
+    # The cost is the same for every candidate of an iteration, so the stable sort keeps the
+    # first 4 of iteration 1 (the mean and the first three samples around it).
+    rng = np.random.default_rng(1)
+    mu = np.full((2, 2), 100.0)
+    samples = np.clip(mu + 80.0 * rng.standard_normal((8, 2, 2)), 0.0, 512.0)
+    samples[0] = mu
+    np.testing.assert_allclose(kept.mean, samples[:4].mean(0))
+    assert kept.costs[1] > kept.costs[0]  # iteration 2 was worse, as built
+
+
+def test_colored_noise_has_unit_variance_and_grows_smoother_with_beta():
+    from streamworld.planning import colored_noise
+
+    rng = np.random.default_rng(0)
+    neighbours = []
+    for beta in (0.0, 1.0, 2.0, 3.0):
+        x = colored_noise(rng, (40000, 6, 2), beta)
+        np.testing.assert_allclose(x.var(axis=0), 1.0, atol=0.05)
+        assert abs(np.corrcoef(x[:, 0, 0], x[:, 0, 1])[0, 1]) < 0.03  # dimensions independent
+        neighbours.append(np.corrcoef(x[:, 2, 0], x[:, 3, 0])[0, 1])
+    assert abs(neighbours[0]) < 0.03 and neighbours[1] < neighbours[2] < neighbours[3]
+    assert neighbours[2] > 0.3
 
 
 def test_success_is_dino_wms_test_on_the_true_state():

@@ -13,7 +13,7 @@ from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
 from streamworld.models import get_preset
 from streamworld.models.world_model import WorldModel
 from streamworld.planning import CEMConfig, cem
-from streamworld.pusht.planning import Task, make_task, reached, run_episode, state_error
+from streamworld.pusht.planning import Task, frame_cost, make_task, reached, run_episode, state_error
 from streamworld.pusht.world import Scene
 
 
@@ -112,6 +112,26 @@ def test_a_task_starts_where_its_recording_passed_and_its_goal_is_goal_steps_lat
     assert isinstance(task, Task) and len(task.actions) == task.start_step + 5
 
 
+def test_the_best_frame_cost_scores_a_candidate_that_passes_through_the_goal():
+    """A candidate that reaches the goal frame mid-way and moves on: the `best` cost finds
+    the goal in it, the `last` cost scores only where it ends."""
+    task = make_task(3, 64, goal_steps=8)
+    world, start = task.start(64)
+    frames = []
+    try:
+        for action in task.actions[task.start_step :]:
+            frames.append(world.step(action))
+    finally:
+        world.close()
+    passing = np.stack([*frames, start, start])  # the goal frame, then back to the start
+    last, best = frame_cost(task.goal_frame), frame_cost(task.goal_frame, frames="best")
+    assert best(passing) == pytest.approx(0.0, abs=1e-9)
+    assert last(passing) == pytest.approx(last(np.stack([start]))) and last(passing) > 1.0
+    assert best(np.stack(frames[:1])) == pytest.approx(last(np.stack(frames[:1])))
+    with pytest.raises(ValueError, match="last, best"):
+        frame_cost(task.goal_frame, frames="mean")
+
+
 @pytest.fixture(scope="module")
 def pusht_model() -> WorldModel:
     return WorldModel.load(get_preset("pusht"))
@@ -154,13 +174,30 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["complete"] is True and [e["seed"] for e in report["episodes"]] == [0, 1]
     assert all(e["plans"] == 1 and e["branches"] == 2 for e in report["episodes"] if not e["success"])
-    assert report["summary"]["episodes"] == 2 and report["execute"] == 4
+    assert report["summary"]["episodes"] == 2 and report["execute"] == 4 and report["cost_frames"] == "last"
     assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out
     assert report["kv_mode"] == "final" and report["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
     # One denoising step, clean K/V: the planning streams run what the flags say.
-    assert main(["eval", "pusht", "--plan", *args, "--steps", "1000", "--kv-mode", "clean"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "pusht",
+                "--plan",
+                *args,
+                "--steps",
+                "1000",
+                "--kv-mode",
+                "clean",
+                "--cost-frames",
+                "best",
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["kv_mode"] == "clean" and report["timesteps"] == [1000.0] and report["complete"]
+    assert report["cost_frames"] == "best"
 
 
 def test_a_replica_is_the_world_in_the_same_state_and_moves_alone():

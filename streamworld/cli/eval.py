@@ -90,6 +90,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "not rolled out again (iCEM; at most --elites; default 0)",
     )
     plan.add_argument(
+        "--cost-frames",
+        choices=("last", "best"),
+        default="last",
+        help="which predicted frames a candidate is scored on: its last, or its nearest to the goal (the "
+        "success test holds at any step the environment passes through; default last)",
+    )
+    plan.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="replay the DiT's blocks from CUDA graphs (as `serve --cuda-graphs`); CUDA devices only",
@@ -244,6 +251,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "goal_steps": args.goal_steps,
             "budget": args.budget,
             "execute": args.execute or config.horizon,
+            "cost_frames": args.cost_frames,
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
             "episodes": [r.to_json() for r in results],
@@ -261,6 +269,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
                 budget=args.budget,
                 execute=args.execute,
                 seed=seed,
+                cost_frames=args.cost_frames,
             )
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")

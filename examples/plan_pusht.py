@@ -40,6 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iterations", type=int, default=3, help="forks per plan (default 3)")
     p.add_argument("--horizon", type=int, default=8, help="steps each plan covers (default 8)")
     p.add_argument(
+        "--noise-beta",
+        type=float,
+        default=0.0,
+        help="colour of the sampling noise, 0-4: 0 white, 2 a random walk's drift (iCEM; default 0)",
+    )
+    p.add_argument(
+        "--keep-elites",
+        type=int,
+        default=0,
+        help="best candidates carried into the next fork (iCEM; default 0)",
+    )
+    p.add_argument(
+        "--cost-frames",
+        choices=("last", "best"),
+        default="last",
+        help="score a candidate on its last predicted frame or its nearest to the goal (default last)",
+    )
+    p.add_argument(
         "--video", metavar="OUT.mp4", help="write real | predicted | goal | candidates side by side"
     )
     p.add_argument("--scale", type=int, default=4, help="upscaling of the video frames (default 4)")
@@ -87,10 +105,25 @@ def candidate_grid(plan, h: int, side: int) -> np.ndarray | None:
     return grid
 
 
+def search_config(args: argparse.Namespace) -> CEMConfig:
+    """The cross-entropy search the flags ask for (ValueError if they do not make one)."""
+    elites = max(1, min(4, args.samples // 2))
+    config = CEMConfig(
+        args.horizon,
+        args.samples,
+        elites,
+        args.iterations,
+        knot_frames=2,
+        noise_beta=args.noise_beta,
+        keep_elites=args.keep_elites,
+    )
+    config.check()
+    return config
+
+
 async def run(args: argparse.Namespace) -> int:
     task = make_task(args.seed, 64, args.goal_steps)
-    elites = max(1, min(4, args.samples // 2))
-    config = CEMConfig(args.horizon, args.samples, elites, args.iterations, knot_frames=2)
+    config = search_config(args)
     world, _ = task.start(64)
     print(f"task {args.seed}: start {state_error(world.scene, task.goal)[0]:.0f} world units from the goal")
     world.close()
@@ -102,6 +135,7 @@ async def run(args: argparse.Namespace) -> int:
         budget=args.budget,
         seed=args.seed,
         record=args.video is not None,
+        cost_frames=args.cost_frames,
     )
     position, angle = result.final_error
     outcome = "reached" if result.success else "not reached"
@@ -119,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.goal_steps, args.budget, args.iterations, args.horizon, args.scale) < 1 or args.samples < 2:
         print("error: --samples must be at least 2, and every other count at least 1", file=sys.stderr)
+        return 2
+    try:
+        search_config(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(run(args))

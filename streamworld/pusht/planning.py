@@ -15,6 +15,8 @@ episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.
   project's locator), which fall smoothly as a candidate ends nearer, plus the squared
   difference of the block's blurred colour weights, which compares the whole T shape and
   so carries its angle. The model predicts frames only, and the cost reads frames only.
+  With `cost_frames="best"` a candidate is scored on its frame nearest the goal instead of
+  its last, since the success test holds at whichever step the environment reaches it.
 
 Actions are the agent's target position in world units, as in gym-pusht (DINO-WM moves the
 target relative to the agent instead).

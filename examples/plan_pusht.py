@@ -4,10 +4,11 @@ A PushT task (a start state and the goal that a recorded trajectory reaches `--g
 later) is solved model-predictively. From the frame the real environment shows, a session
 is started on the server and forked into `--samples` branches per iteration, one per
 candidate action sequence. The cross-entropy method keeps the candidates whose last
-predicted frame is nearest the goal (`--cost-frames best`: whose nearest frame is). The first actions of the best one run in the real
-environment (gym-pusht), and the loop plans again from the new frame. It stops when the
-goal is reached (DINO-WM's test: agent and block within 20 world units, the block within
-20 degrees) or the step budget is spent. `docs/planning.md` explains the protocol.
+predicted frame is nearest the goal (with `--cost-frames best`, whose nearest frame is).
+The first actions of the best one run in the real environment (gym-pusht), and the loop
+plans again from the new frame. It stops when the goal is reached (DINO-WM's test: agent
+and block within 20 world units, the block within 20 degrees) or the step budget is spent.
+`docs/planning.md` explains the protocol.
 
 `--video` writes four panels side by side: the real environment, the predicted frames of
 the plan being executed, the goal, and the candidates the plan was chosen from (up to 16,

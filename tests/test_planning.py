@@ -254,3 +254,28 @@ def test_eval_plan_simulator_refuses_model_options(capsys):
 
     assert main(["eval", "pusht", "--plan", "--simulator", "--dit", "x.safetensors"]) == 2
     assert "--simulator plans without the model" in capsys.readouterr().err
+
+
+def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
+    """benchmarks/plan_cost.py writes a timing for each `--cost-frames` mode (the timings
+    themselves belong to the benchmark, not to this test)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from streamworld.pusht.planning import COST_FRAMES
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cost.json"
+    cmd = [sys.executable, "benchmarks/plan_cost.py", "--candidates", "2", "--frames", "3"]
+    done = subprocess.run(
+        [*cmd, "--repeats", "1", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report["candidates"], report["frames"]) == (2, 3)
+    assert set(report["modes"]) == set(COST_FRAMES)
+    assert all(row["seconds_per_plan"] > 0 for row in report["modes"].values())
+    bad = subprocess.run([*cmd, "--repeats", "0"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr

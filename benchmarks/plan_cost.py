@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 
@@ -76,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": rows,
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

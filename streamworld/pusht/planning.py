@@ -117,8 +117,9 @@ def frame_cost(
         return float(size) if p is None or q is None else math.dist(p, q)
 
     def one(frame: np.ndarray) -> float:
-        seen = locate(frame)
-        shape = float(((_block_map(frame) - goal_block) ** 2).mean())
+        weights = palette_weights(frame)
+        seen = locate(frame, weights)
+        shape = float(((box_mean(weights[..., 2], 5) - goal_block) ** 2).mean())
         return distance(seen.agent, goal.agent) + distance(seen.block, goal.block) + shape_weight * shape
 
     def cost(candidate: np.ndarray) -> float:

@@ -12,6 +12,7 @@ every pixel into the scene's palette, which is how the evaluation measures posit
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -146,8 +147,9 @@ class Located:
     block: tuple[float, float] | None
 
 
-def locate(frame: np.ndarray) -> Located:
-    """Where the agent and the block are in an RGB frame [H, W, 3] (uint8).
+def locate(frame: np.ndarray, weights: np.ndarray | None = None) -> Located:
+    """Where the agent and the block are in an RGB frame [H, W, 3] (uint8). `weights`:
+    the frame's `palette_weights`, where the caller has them already.
 
     Each pixel is unmixed into white, goal green, block grey and agent blue (weights that
     sum to 1). An object is found at the peak of its locally averaged weight, and its
@@ -157,8 +159,8 @@ def locate(frame: np.ndarray) -> Located:
     pixel rows and columns (the walls) are ignored.
     """
     h, w, _ = frame.shape
-    weights = palette_weights(frame)
-    ys, xs = np.mgrid[0:h, 0:w] + 0.5
+    weights = palette_weights(frame) if weights is None else weights
+    ys, xs = _pixel_centres(h, w)
     scale = h / 64
 
     def find(k: int, box: int, radius: float) -> tuple[float, float] | None:
@@ -173,6 +175,14 @@ def locate(frame: np.ndarray) -> Located:
 
     # The agent is a disc of radius 15 world units (1.9 px at 64 px); the T spans 120 units.
     return Located(agent=find(3, 3, 4.0 * scale), block=find(2, 3, 10.0 * scale))
+
+
+@functools.lru_cache(maxsize=8)
+def _pixel_centres(h: int, w: int) -> np.ndarray:
+    """[2, h, w]: the y and x of each pixel's centre (read-only, shared between calls)."""
+    centres = np.mgrid[0:h, 0:w] + 0.5
+    centres.flags.writeable = False
+    return centres
 
 
 def palette_weights(frame: np.ndarray) -> np.ndarray:
@@ -205,9 +215,11 @@ def block_mask(frames, threshold: float = 0.5):
 def box_mean(m: np.ndarray, size: int) -> np.ndarray:
     """Mean over a size x size neighbourhood (zero padding), same shape as m."""
     pad = size // 2
-    p = np.pad(m, pad)
-    c = p.cumsum(0).cumsum(1)
-    c = np.pad(c, ((1, 0), (1, 0)))
     h, w = m.shape
+    # Summed-area table with a leading zero row and column; the same sums, in the same
+    # order, as cumulative sums of the zero-padded map, without np.pad's overhead.
+    c = np.zeros((h + 2 * pad + 1, w + 2 * pad + 1), m.dtype if m.dtype.kind == "f" else np.float64)
+    c[1 + pad : 1 + pad + h, 1 + pad : 1 + pad + w] = m
+    c = c.cumsum(0).cumsum(1)
     total = c[size : size + h, size : size + w] - c[:h, size : size + w] - c[size : size + h, :w] + c[:h, :w]
     return total / (size * size)

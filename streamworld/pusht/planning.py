@@ -90,8 +90,9 @@ def state_error(scene: Scene, goal: Scene) -> tuple[float, float]:
     return position, math.degrees(abs(turn))
 
 
-def _block_map(frame: np.ndarray) -> np.ndarray:
-    return box_mean(palette_weights(frame)[..., 2], 5)
+def _block_map(weights: np.ndarray) -> np.ndarray:
+    """The block's weight (`palette_weights` of a frame), blurred over 5 pixels."""
+    return box_mean(weights[..., 2], 5)
 
 
 COST_FRAMES = ("last", "best")
@@ -111,7 +112,7 @@ def frame_cost(
         raise ValueError(f"frames must be one of {', '.join(COST_FRAMES)}, got {frames!r}")
     size = goal_frame.shape[0]
     goal = locate(goal_frame)
-    goal_block = _block_map(goal_frame)
+    goal_block = _block_map(palette_weights(goal_frame))
 
     def distance(p: tuple[float, float] | None, q: tuple[float, float] | None) -> float:
         return float(size) if p is None or q is None else math.dist(p, q)
@@ -119,7 +120,7 @@ def frame_cost(
     def one(frame: np.ndarray) -> float:
         weights = palette_weights(frame)
         seen = locate(frame, weights)
-        shape = float(((box_mean(weights[..., 2], 5) - goal_block) ** 2).mean())
+        shape = float(((_block_map(weights) - goal_block) ** 2).mean())
         return distance(seen.agent, goal.agent) + distance(seen.block, goal.block) + shape_weight * shape
 
     def cost(candidate: np.ndarray) -> float:

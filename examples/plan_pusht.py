@@ -26,6 +26,7 @@ import sys
 
 import numpy as np
 
+from streamworld.cli.arguments import add_search_arguments
 from streamworld.client import StreamWorldError
 from streamworld.planning import CEMConfig, ClientRollouts
 from streamworld.pusht.planning import make_task, run_episode, state_error
@@ -40,24 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=16, help="branches per fork (default 16)")
     p.add_argument("--iterations", type=int, default=3, help="forks per plan (default 3)")
     p.add_argument("--horizon", type=int, default=8, help="steps each plan covers (default 8)")
-    p.add_argument(
-        "--noise-beta",
-        type=float,
-        default=0.0,
-        help="colour of the sampling noise, 0-4: 0 white, 2 a random walk's drift (iCEM; default 0)",
-    )
-    p.add_argument(
-        "--keep-elites",
-        type=int,
-        default=0,
-        help="best candidates carried into the next fork (iCEM; default 0)",
-    )
-    p.add_argument(
-        "--cost-frames",
-        choices=("last", "best"),
-        default="last",
-        help="score a candidate on its last predicted frame or its nearest to the goal (default last)",
-    )
+    add_search_arguments(p)
     p.add_argument(
         "--video", metavar="OUT.mp4", help="write real | predicted | goal | candidates side by side"
     )

@@ -1,5 +1,6 @@
 """Argument groups that several commands share, written once: where weights come from and
-where the model runs (`serve`, `generate`, `bench`), and the engine's knobs (`serve`, `bench`).
+where the model runs (`serve`, `generate`, `bench`), the engine's knobs (`serve`, `bench`),
+and the planner's sampling and cost (`eval pusht --plan`, `examples/plan_pusht.py`).
 
 Building the parser imports nothing heavy, so `streamworld --help` stays quick; the engine
 is imported only when a command builds its configuration.
@@ -17,6 +18,9 @@ if TYPE_CHECKING:
     from ..engine import EngineConfig
 
 KV_MODES = ("clean", "final", "noisy")
+# streamworld.pusht.planning.COST_FRAMES, written here so that building a parser imports
+# nothing heavy; frame_cost refuses any other value.
+COST_FRAMES = ("last", "best")
 DEFAULT_MODEL = "pusht"  # the embedded PushT world model: the default of every command
 
 
@@ -195,3 +199,29 @@ def check_output_folder(flag: str, path: str | None) -> None:
     """An output file's folder must exist before hours of work go into it."""
     if path is not None and not Path(path).resolve().parent.is_dir():
         raise UsageError(f"{flag}: folder {Path(path).parent} does not exist")
+
+
+def add_search_arguments(group: argparse._ActionsContainer) -> None:
+    """The planner's options after iCEM (--noise-beta, --keep-elites) and which predicted
+    frames its cost reads (--cost-frames); all off by default."""
+    group.add_argument(
+        "--noise-beta",
+        type=float,
+        default=0.0,
+        help="colour of the sampling noise along a plan's targets, 0-4: power falls as 1/f^beta, so 0 is "
+        "white and 2 drifts smoothly like a random walk (iCEM; default 0)",
+    )
+    group.add_argument(
+        "--keep-elites",
+        type=int,
+        default=0,
+        help="cheapest candidates of each iteration carried into the next one's refit, with their costs, "
+        "not rolled out again (iCEM; at most the elites kept; default 0)",
+    )
+    group.add_argument(
+        "--cost-frames",
+        choices=COST_FRAMES,
+        default="last",
+        help="which predicted frames a candidate is scored on: its last, or its nearest to the goal (the "
+        "success test holds at any step the environment passes through; default last)",
+    )

@@ -75,27 +75,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--plan-horizon", type=int, default=24, help="steps each plan covers (default 24)")
     plan.add_argument("--execute", type=int, help="steps run before replanning (default: the horizon)")
     plan.add_argument("--knot-frames", type=int, default=4, help="steps a planned target holds (default 4)")
-    plan.add_argument(
-        "--noise-beta",
-        type=float,
-        default=0.0,
-        help="colour of the sampling noise along a plan's targets, 0-4: power falls as 1/f^beta, so 0 is "
-        "white and 2 drifts smoothly like a random walk (iCEM; default 0)",
-    )
-    plan.add_argument(
-        "--keep-elites",
-        type=int,
-        default=0,
-        help="cheapest candidates of each iteration carried into the next one's refit, with their costs, "
-        "not rolled out again (iCEM; at most --elites; default 0)",
-    )
-    plan.add_argument(
-        "--cost-frames",
-        choices=("last", "best"),
-        default="last",
-        help="which predicted frames a candidate is scored on: its last, or its nearest to the goal (the "
-        "success test holds at any step the environment passes through; default last)",
-    )
+    arguments.add_search_arguments(plan)
     plan.add_argument(
         "--cuda-graphs",
         action="store_true",

@@ -158,6 +158,19 @@ def test_train_cli_trains_on_its_own_rollouts(tmp_path):
     assert all("loss_rollout" in entry for entry in summary["history"])
 
 
+def test_train_cli_with_simulated_targets_trains_on_when_no_frame_shows_a_t(tmp_path):
+    """The smoke model's random weights draw no T, so no rollout chunk gets a simulated
+    target: every batch is made of true-context clips, and the summary says so."""
+    work = tmp_path / "w"
+    argv = ["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "3", "--workers", "1"]
+    argv += ["--rollout-share", "0.5", "--rollout-targets", "simulated"]
+    assert cli_main(argv) == 0
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert summary["step"] == 3 and summary["rollout_refreshes"] == 2
+    assert summary["rollout_chunks_with_target"] == 0.0 and summary["rollout_batches_without"] == 3
+    assert not any("loss_rollout" in entry for entry in summary["history"])
+
+
 # --- anchored pixel latents --------------------------------------------------------------
 def test_anchored_pixels_decode_chunk_by_chunk_to_the_frames():
     rng = torch.Generator().manual_seed(0)

@@ -214,3 +214,42 @@ def test_batches_mix_true_and_own_context_and_rollouts_follow_the_weights(small_
     stats = trainer.train_step()  # step 2: made again, with the weights of two steps later
     assert trainer.rollouts.refreshes == 2 and "loss_rollout" in stats
     assert not torch.equal(before, trainer.rollouts.frames)
+
+
+def test_simulated_targets_continue_the_scene_the_rollout_shows(small_data, tmp_path):
+    """With `rollout_targets="simulated"`, a sample's trained chunk is the environment
+    continued from the rollout's last two context frames with the episode's actions; the
+    rest of the sample is the "true" sample. Rollouts whose frames show no T give no chunk
+    to train, and the error says so."""
+    from streamworld.pusht.pose import continue_frames
+
+    trainer = _trainer(small_data, tmp_path, "sim", rollout_share=0.5, rollout_targets="simulated")
+    rollouts, b = trainer.rollouts, trainer.batcher
+    rollouts.refresh()  # random weights draw no T anywhere
+    assert not rollouts.valid.any()
+    with pytest.raises(RuntimeError, match="no rollout chunk"):
+        rollouts.sample(2)
+    # As if the model drew the true frames, shifted by a step (so they are not the truth).
+    rollouts.frames = b.frames[rollouts.episodes, :16].clone()
+    rollouts._simulate()
+    assert (
+        rollouts.valid[:, rollouts.first_chunk :].all()
+        and not rollouts.valid[:, : rollouts.first_chunk].any()
+    )
+    batch = rollouts.sample(8)
+    to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # noqa: E731
+    n, k = b.clip, b.chunk
+    for clip, own, actions in zip(
+        to_uint8(batch["frames"]), to_uint8(batch["own"]), batch["actions"], strict=True
+    ):
+        (r,) = [
+            r
+            for r in range(len(rollouts.episodes))
+            if torch.equal(clip[0], b.frames[rollouts.episodes[r], 0])
+        ][:1]
+        starts = [s for s in range(0, 16 - n + 1) if torch.equal(own, rollouts.frames[r, s : s + n])]
+        assert starts, "the context copy is not the rollout"
+        expected = continue_frames((own[-k - 2].numpy(), own[-k - 1].numpy(), actions[-k:].numpy()))
+        assert torch.equal(clip[-k:], torch.from_numpy(expected))
+        e = rollouts.episodes[r]
+        assert torch.equal(clip[1 : 1 + n - k], b.frames[e, starts[0] + 1 : starts[0] + 1 + n - k])

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 
+from ..pusht.data import ROLLOUT_TARGETS
 from ..pusht.policy import PUSH_SHARE
 from . import arguments
 from .errors import UsageError
@@ -65,7 +67,11 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         default=PUSH_SHARE,
         help=f"share of the scripted controller's moves that push the block (default {PUSH_SHARE})",
     )
-    group.add_argument("--workers", type=int, help="processes that record episodes (default: CPU count)")
+    group.add_argument(
+        "--workers",
+        type=int,
+        help="processes that record episodes and simulate rollout targets (default: CPU count)",
+    )
 
 
 def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +101,14 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="share of each batch whose context is the model's own rollout of the episode instead of "
-        "the true frames; the target stays the truth (default 0; docs/pusht.md)",
+        "the true frames (default 0; docs/pusht.md)",
+    )
+    group.add_argument(
+        "--rollout-targets",
+        choices=ROLLOUT_TARGETS,
+        default="true",
+        help="target of a rollout sample: the recorded frames (true), or the environment continued "
+        "from the scene the rollout's last context frames show (simulated; default true)",
     )
     group.add_argument(
         "--rollout-every",
@@ -162,6 +175,8 @@ def _rollout_options(args: argparse.Namespace) -> dict:
         "rollout_every": args.rollout_every,
         "rollout_episodes": args.rollout_episodes,
         "rollout_frames": args.rollout_frames,
+        "rollout_targets": args.rollout_targets,
+        "rollout_workers": args.workers or max(1, min(os.cpu_count() or 1, 32)),
     }
 
 

@@ -24,6 +24,10 @@ import numpy as np
 from .policy import PUSH_SHARE
 
 TRAIN_SEED_BASE = 1_000_000
+# What a training sample on the model's own rollout is taught to predict (`train.py:
+# RolloutContext`): the recorded frames, or the environment continued from the scene the
+# rollout shows (`pose.py: continue_frames`).
+ROLLOUT_TARGETS = ("true", "simulated")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -52,7 +53,7 @@ from ..engine import context_frame_indices
 from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel, resolve_device
-from .data import Dataset, DatasetSpec, generate_dataset
+from .data import ROLLOUT_TARGETS, Dataset, DatasetSpec, generate_dataset
 from .world import block_mask
 
 REGIMES = ("clean", "final", "noisy")
@@ -88,6 +89,12 @@ class TrainConfig:
     rollout_every: int = 100
     rollout_episodes: int = 32
     rollout_frames: int = 32
+    # The target of a rollout sample: "true" (the recorded frames) or "simulated" (the
+    # environment continued from the scene the rollout's last two context frames show,
+    # `pusht/pose.py`), a target the drifted context is consistent with.
+    rollout_targets: str = "true"
+    # Processes that simulate targets ("simulated"); 1 runs them in the training process.
+    rollout_workers: int = 1
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 100
@@ -179,13 +186,23 @@ class RolloutContext:
     `refresh` rolls `episodes` random episodes out from their first frame with their
     recorded actions, `frames` frames each, through the sequential reference generator (what
     the engine serves) in `final` mode, with the weights as they are. `sample` then draws
-    clips that end with a chunk whose window is full, inside a rollout: the true frames as
-    the clip and the target, the rollout's frames at the same steps as the context copy.
-    Only the last chunk is trained: the others have no drifted context before them.
+    clips that end with a chunk whose window is full, inside a rollout: the rollout's frames
+    at the same steps as the context copy, and as the target either the true frames
+    (`targets="true"`) or the environment continued from the scene that the context's last
+    two frames show (`"simulated"`, `pusht/pose.py: continue_frames`; chunks whose frames do
+    not show both objects are not drawn). Only the last chunk is trained: the others have no
+    drifted context before them.
     """
 
     def __init__(
-        self, model: WorldModel, batcher: ClipBatcher, episodes: int, frames: int, generator: torch.Generator
+        self,
+        model: WorldModel,
+        batcher: ClipBatcher,
+        episodes: int,
+        frames: int,
+        generator: torch.Generator,
+        targets: str = "true",
+        workers: int = 1,
     ) -> None:
         chunk, n = batcher.chunk, batcher.clip
         if frames < n or frames % chunk:
@@ -196,12 +213,24 @@ class RolloutContext:
             raise ValueError(f"episodes have {batcher.steps} steps; rollouts of {frames} frames need as many")
         if model.config.first_chunk_frames != model.config.frames_per_chunk:
             raise ValueError("rollout context assumes a first chunk as long as the others")
+        if targets not in ROLLOUT_TARGETS:
+            raise ValueError(f"rollout targets must be one of {ROLLOUT_TARGETS}, got {targets!r}")
         self.model, self.batcher, self.gen = model, batcher, generator
         self.num_episodes, self.num_frames = episodes, frames
+        self.targets, self.workers = targets, workers
         self.episodes: torch.Tensor | None = None  # [R] data set episodes of the rollouts
         self.seeds: torch.Tensor | None = None  # [R] their noise seeds
         self.frames: torch.Tensor | None = None  # uint8 [R, frames, S, S, 3]: frames 1..frames
+        # "simulated": uint8 [R, chunks, chunk, S, S, 3], the target of trained chunk c, and
+        # [R, chunks] bool, which ones exist.
+        self.simulated: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        self.first_chunk = n // chunk - 1  # the first chunk whose window is full
         self.refreshes = 0
+        self.skipped = 0  # batches made without rollout samples, since no chunk had a target
+        self.chunks = [0, 0]  # "simulated": chunks simulated so far, and those given a target
+        self.simulate_seconds = 0.0
+        self._pool = None
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -223,20 +252,68 @@ class RolloutContext:
             frames.append(torch.from_numpy(generator.generate(request).frames))
         self.episodes, self.seeds = episodes, seeds
         self.frames = torch.stack(frames).to(dev)
+        chunks = self.num_frames // b.chunk
+        self.valid = torch.zeros(len(episodes), chunks, dtype=torch.bool, device=dev)
+        self.valid[:, self.first_chunk :] = True
+        if self.targets == "simulated":
+            self._simulate()
         self.refreshes += 1
 
+    def _simulate(self) -> None:
+        """The simulated target of every trained chunk of every rollout."""
+        from .pose import continue_frames
+
+        assert self.frames is not None and self.episodes is not None and self.valid is not None
+        start = time.perf_counter()
+        b, k = self.batcher, self.batcher.chunk
+        own = self.frames.cpu().numpy()
+        actions = b.actions[self.episodes].cpu().numpy()
+        pairs = [(r, c) for r in range(len(own)) for c in range(self.first_chunk, own.shape[1] // k)]
+        # The context's last frame before chunk c is frame c k, at c k - 1 in the rollout.
+        jobs = [(own[r, c * k - 2], own[r, c * k - 1], actions[r, c * k : (c + 1) * k]) for r, c in pairs]
+        if self.workers > 1 and self._pool is None:
+            self._pool = mp.get_context("spawn").Pool(self.workers)
+        pool = self._pool
+        results = pool.map(continue_frames, jobs, chunksize=4) if pool else map(continue_frames, jobs)
+        simulated = np.zeros((*self.valid.shape, k, *own.shape[2:]), np.uint8)
+        for (r, c), frames in zip(pairs, results, strict=True):
+            self.valid[r, c] = frames is not None
+            if frames is not None:
+                simulated[r, c] = frames
+        self.simulated = torch.from_numpy(simulated).to(b.device)
+        self.chunks[0] += len(pairs)
+        self.chunks[1] += int(self.valid.sum())
+        self.simulate_seconds += time.perf_counter() - start
+
+    @property
+    def has_targets(self) -> bool:
+        return self.valid is not None and bool(self.valid.any())
+
+    def close(self) -> None:
+        """Stop the simulation processes, if any."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool.join()
+            self._pool = None
+
     def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
-        if self.frames is None or self.episodes is None:
+        if self.frames is None or self.episodes is None or self.valid is None:
             raise RuntimeError("refresh() the rollouts before sampling them")
         b, g, dev = self.batcher, self.gen, self.batcher.device
         n, chunk = b.clip, b.chunk
-        pick = torch.randint(0, len(self.episodes), (batch_size,), generator=g, device=dev)
         # The trained chunk c starts at frame 1 + c * chunk; the clip ends with it and starts at
         # frame 1 at the earliest, so c >= n / chunk - 1 (its window is then full).
-        c = torch.randint(n // chunk - 1, self.num_frames // chunk, (batch_size,), generator=g, device=dev)
+        candidates = self.valid.nonzero()
+        if not len(candidates):
+            raise RuntimeError("no rollout chunk has a target: no frame showed both the agent and the block")
+        drawn = candidates[torch.randint(0, len(candidates), (batch_size,), generator=g, device=dev)]
+        pick, c = drawn[:, 0], drawn[:, 1]
         index = (1 + (c + 1) * chunk - n)[:, None] + torch.arange(n, device=dev)  # frames of the clip
         episodes = self.episodes[pick]
         clip = b.frames[episodes[:, None], index]
+        if self.targets == "simulated":
+            assert self.simulated is not None
+            clip[:, -chunk:] = self.simulated[pick, c]
         sink = b.frames[episodes, 0][:, None]
         own = self.frames[pick[:, None], index - 1]  # the rollout's frame f is at f - 1
 
@@ -332,7 +409,13 @@ class Trainer:
             raise ValueError(f"rollout_share must be in [0, 1], got {train_config.rollout_share}")
         self.rollouts = (
             RolloutContext(
-                model, self.batcher, train_config.rollout_episodes, train_config.rollout_frames, self.gen
+                model,
+                self.batcher,
+                train_config.rollout_episodes,
+                train_config.rollout_frames,
+                self.gen,
+                targets=train_config.rollout_targets,
+                workers=train_config.rollout_workers,
             )
             if train_config.rollout_share > 0
             else None
@@ -479,6 +562,9 @@ class Trainer:
         assert self.rollouts is not None
         if self.rollouts.frames is None or self.step % self.cfg.rollout_every == 0:
             self.rollouts.refresh()
+        if not self.rollouts.has_targets:  # "simulated", and no rollout frame shows a T
+            self.rollouts.skipped += 1
+            return self.batcher.sample(size)
         return merge_batches(self.batcher.sample(size - own), self.rollouts.sample(own))
 
     def train_step(self) -> dict[str, float]:
@@ -529,6 +615,8 @@ class Trainer:
         finally:
             bar.close()
             self.save_checkpoint()
+            if self.rollouts is not None:
+                self.rollouts.close()
         elapsed = time.perf_counter() - start
         return {
             "steps_this_run": self.step - first,
@@ -537,7 +625,18 @@ class Trainer:
             "seconds": round(elapsed, 1),
             "steps_per_second": round((self.step - first) / max(elapsed, 1e-9), 2),
             "rollout_refreshes": self.rollouts.refreshes if self.rollouts is not None else 0,
+            **self._rollout_summary(),
             "last": self.history[-1] if self.history else None,
+        }
+
+    def _rollout_summary(self) -> dict:
+        r = self.rollouts
+        if r is None or r.targets != "simulated" or not r.chunks[0]:
+            return {}
+        return {
+            "rollout_simulate_seconds": round(r.simulate_seconds, 1),
+            "rollout_chunks_with_target": round(r.chunks[1] / r.chunks[0], 3),
+            "rollout_batches_without": r.skipped,
         }
 
 

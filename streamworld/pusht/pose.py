@@ -1,0 +1,170 @@
+"""The block's whole pose (position and angle) and the agent's position, read from a frame.
+
+`locate` (`pusht/world.py`) gives centroids; simulating what comes after a frame needs the
+state the physics uses: the block body's position (its centre of gravity, as pymunk keeps
+it) and its angle. `estimate_scene` fits the T's outline to the frame's block weight map:
+
+1. the block's weighted centroid, from `locate`;
+2. for every angle on a 3-degree grid, the body position that puts the T's area centroid
+   on that centroid, scored by the squared difference between the T drawn with
+   anti-aliased edges and the weight map, in a crop around the block;
+3. a pattern search over (x, y, angle) around the best, halving the steps each round.
+
+The drawing is analytic (signed distance to the T's two rectangles, a one-pixel ramp at
+the edge), so no renderer is involved and poses between pixels are told apart. Pixels
+the agent covers are left out: the agent is drawn over the block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .world import FPS, WORLD_SIZE, PushTWorld, Scene, locate, palette_weights
+
+# The T of gym-pusht (`PushTEnv.add_tee`, scale 30, length 4), in body coordinates: a bar
+# 120 x 30 with a 30 x 90 stem under it. A pose is the body's position (where its origin,
+# the top edge's middle, is in the world) and its angle, as pymunk reports them.
+_BAR = (-60.0, 60.0, 0.0, 30.0)  # x0, x1, y0, y1
+_STEM = (-15.0, 15.0, 30.0, 120.0)
+_AREA = 120.0 * 30.0 + 30.0 * 90.0
+_CENTROID_Y = (3600.0 * 15.0 + 2700.0 * 75.0) / _AREA  # the T's area centroid is (0, this)
+_FILL = 0.6
+# Fits of true frames have mismatches up to 0.16 (0.12 at the median); blocks the shipped
+# model has dissolved into a grey blob, 0.45 and more, fitted at arbitrary angles.
+MAX_MISMATCH = 0.35
+# The most the scene moves in one control step, beyond which two fits are not one motion
+# (world units, radians): the agent's target moves at most 35 units a step, plus jitter.
+MAX_STEP = {"agent": 100.0, "block": 60.0, "turn": np.pi / 4}
+_CROP = 28  # pixels at 64 px: the T reaches 77 world units (9.6 px) from its centre
+
+
+def _box_distance(u: np.ndarray, v: np.ndarray, box: tuple[float, float, float, float]) -> np.ndarray:
+    """Signed distance from points (u, v) to an axis-aligned box, negative inside."""
+    x0, x1, y0, y1 = box
+    cx, cy, hx, hy = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2
+    dx, dy = np.abs(u - cx) - hx, np.abs(v - cy) - hy
+    outside = np.hypot(np.maximum(dx, 0.0), np.maximum(dy, 0.0))
+    return outside + np.minimum(np.maximum(dx, dy), 0.0)
+
+
+def draw_block(poses: np.ndarray, xs: np.ndarray, ys: np.ndarray, unit: float) -> np.ndarray:
+    """[N, *xs.shape]: how much of each pixel (centres xs, ys in world units, `unit` world
+    units a pixel) the T covers at each pose (x, y, angle) of `poses` [N, 3]."""
+    p = np.asarray(poses, np.float64)
+    x, y, a = (p[:, i].reshape(-1, *([1] * xs.ndim)) for i in range(3))
+    c, s = np.cos(a), np.sin(a)
+    # World to body: (u, v) = R(-a) (w - p).
+    dx, dy = xs - x, ys - y
+    u = c * dx + s * dy
+    v = -s * dx + c * dy
+    distance = np.minimum(_box_distance(u, v, _BAR), _box_distance(u, v, _STEM))
+    return np.clip(0.5 - distance / unit, 0.0, 1.0)
+
+
+def _fit(
+    target: np.ndarray, mask: np.ndarray, xs: np.ndarray, ys: np.ndarray, unit: float, centroid
+) -> tuple[np.ndarray, float]:
+    """The pose (x, y, angle) whose drawing best matches `target` where `mask` holds, and
+    its squared error."""
+
+    def errors(poses: np.ndarray) -> np.ndarray:
+        return (((draw_block(poses, xs, ys, unit) - target) ** 2) * mask).sum(axis=(1, 2))
+
+    angles = np.deg2rad(np.arange(0.0, 360.0, 3.0))
+    c, s = np.cos(angles), np.sin(angles)
+    # The body position that puts the T's area centroid (0, d) on `centroid`: minus R(a) (0, d).
+    d = _CENTROID_Y
+    poses = np.stack([centroid[0] + s * d, centroid[1] - c * d, angles], 1)
+    best = poses[int(np.argmin(errors(poses)))]
+    step = np.array([unit / 2, unit / 2, np.deg2rad(1.5)])
+    grid = np.stack(np.meshgrid(*[np.arange(-2, 3)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    for _ in range(5):
+        poses = best + grid * step
+        e = errors(poses)
+        best, error = poses[int(np.argmin(e))], float(e.min())
+        step = step / 2
+    return best, error
+
+
+def estimate_scene(frame: np.ndarray, max_mismatch: float = MAX_MISMATCH) -> Scene | None:
+    """The agent's position and the block's pose (world units, radians in [0, 2 pi)) that
+    a frame [H, W, 3] uint8 shows, or None where the agent or the block is not visible, or
+    where the block is not T-shaped: the fitted T's squared error over the pixels the T
+    covers (its mismatch, `fit_block`) above `max_mismatch`."""
+    fit = fit_block(frame)
+    if fit is None or fit[1] > max_mismatch:
+        return None
+    return fit[0]
+
+
+def fit_block(frame: np.ndarray) -> tuple[Scene, float] | None:
+    """`estimate_scene`'s scene and the fit's mismatch (0 for a perfect T), or None where
+    the agent or the block is not visible."""
+    h, w, _ = frame.shape
+    weights = palette_weights(frame)
+    found = locate(frame, weights)
+    if found.agent is None or found.block is None:
+        return None
+    unit = WORLD_SIZE / w
+    crop = round(_CROP * w / 64)
+    centre = found.block
+    for _ in range(2):  # the crop around locate's centroid, then around the crop's own
+        x0 = int(np.clip(round(centre[0] - crop / 2), 0, w - crop))
+        y0 = int(np.clip(round(centre[1] - crop / 2), 0, h - crop))
+        rows, cols = slice(y0, y0 + crop), slice(x0, x0 + crop)
+        ys, xs = np.mgrid[rows, cols] + 0.5
+        # The fill unmixes to about 0.67 of the block's colour and the outline to 1.
+        target = np.minimum(weights[rows, cols, 2] / _FILL, 1.0)
+        centre = ((target * xs).sum() / target.sum(), (target * ys).sum() / target.sum())
+    mask = (weights[rows, cols, 3] < 0.1).astype(np.float64)
+    centroid = (centre[0] * unit, centre[1] * unit)
+    (x, y, angle), error = _fit(target, mask, xs * unit, ys * unit, unit, centroid)
+    agent = (found.agent[0] * unit, found.agent[1] * unit)
+    scene = Scene(agent, (float(x), float(y), float(angle % (2 * np.pi))))
+    return scene, error / (_AREA / unit**2)
+
+
+def place(world: PushTWorld, scene: Scene, previous: Scene) -> None:
+    """Put `world`'s bodies in `scene`, moving as they moved since `previous`, one control
+    step (1 / FPS s) earlier: the agent's and the block's velocities are those differences."""
+    env = world.env
+    env.agent.position = scene.agent
+    env.agent.velocity = tuple((np.subtract(scene.agent, previous.agent) * FPS).tolist())
+    env.block.angle = scene.block[2]
+    env.block.position = scene.block[:2]
+    env.block.velocity = tuple((np.subtract(scene.block[:2], previous.block[:2]) * FPS).tolist())
+    turn = (scene.block[2] - previous.block[2] + np.pi) % (2 * np.pi) - np.pi
+    env.block.angular_velocity = float(turn * FPS)
+
+
+def _one_motion(previous: Scene, scene: Scene) -> bool:
+    turn = abs((scene.block[2] - previous.block[2] + np.pi) % (2 * np.pi) - np.pi)
+    return (
+        np.hypot(*np.subtract(scene.agent, previous.agent)) <= MAX_STEP["agent"]
+        and np.hypot(*np.subtract(scene.block[:2], previous.block[:2])) <= MAX_STEP["block"]
+        and turn <= MAX_STEP["turn"]
+    )
+
+
+_WORLD: PushTWorld | None = None  # one environment per process, reused by `continue_frames`
+
+
+def continue_frames(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray | None:
+    """What the environment draws after a pair of frames: `job` is (the frame before,
+    the frame, actions [k, 2]); the result is k frames uint8 [k, H, W, 3], simulated from
+    the scene the two frames show (`estimate_scene`, `place`). None where either frame
+    does not show both the agent and a T-shaped block, or where the two scenes are further
+    apart than one step can move them (`MAX_STEP`). One job per call, for process pools."""
+    global _WORLD
+    before, frame, actions = job
+    scene, previous = estimate_scene(frame), estimate_scene(before)
+    if scene is None or previous is None or not _one_motion(previous, scene):
+        return None
+    size = frame.shape[0]
+    if _WORLD is None or _WORLD.size != size:
+        _WORLD = PushTWorld(size)
+    # A fresh space each time: pymunk carries contact impulses from step to step, and the
+    # result must not depend on the jobs this process ran before.
+    _WORLD.reset(0)
+    place(_WORLD, scene, previous)
+    return np.stack([_WORLD.step(a) for a in actions])

@@ -132,6 +132,7 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
         ("--push-share", "1.5"),
         ("--rollout-share", "1.5"),
         ("--rollout-every", "0"),
+        ("--rollout-max-mismatch", "-0.1"),
     ],
 )
 def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):
@@ -243,6 +244,12 @@ def test_evaluate_reports_every_horizon_for_model_and_baseline(pusht):
     assert report["baseline"]["psnr"][0] > 30
     table = markdown_table(report)
     assert "copy first frame" in table and "model, noisy" in table and "h=8" in table
+    # A chunk ahead of the true first frame the shipped model draws the block as a T.
+    assert set(report["block_t_shape"]) == {"clean", "noisy"}
+    for shares in report["block_t_shape"].values():
+        assert list(shares) == ["1", "2", "4", "8"] and shares["1"] == 1.0
+        assert all(0 <= v <= 1 for v in shares.values())
+    assert "| model, noisy | block is a T (share) | 1.00 |" in table
 
 
 def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):

@@ -37,10 +37,12 @@ def test_the_fit_finds_the_true_pose(episodes):
     for frames, _, scenes in episodes:
         moved += np.hypot(*np.subtract(scenes[-1].block[:2], scenes[0].block[:2]))
         for frame, truth in zip(frames[::3], scenes[::3], strict=True):
-            scene, mismatch = fit_block(frame)
+            pose, mismatch = fit_block(frame)
             assert mismatch < 0.2
-            assert np.hypot(*np.subtract(scene.block[:2], truth.block[:2])) < 6.0  # world units
-            assert _angle_gap(scene.block[2], truth.block[2]) < np.deg2rad(4)
+            assert np.hypot(*np.subtract(pose[:2], truth.block[:2])) < 6.0  # world units
+            assert _angle_gap(pose[2], truth.block[2]) < np.deg2rad(4)
+            scene = estimate_scene(frame)
+            assert scene.block == pose
             assert np.hypot(*np.subtract(scene.agent, truth.agent)) < 3.0
     assert moved > 20  # the episodes push the block, so poses differ
 
@@ -50,6 +52,9 @@ def test_a_dissolved_or_missing_block_has_no_pose(episodes):
     blank = np.full_like(frame, 255)
     blank[30:33, 30:33] = (71, 115, 240)  # the agent alone
     assert fit_block(blank) is None and estimate_scene(blank) is None
+    no_agent = frame.copy()
+    no_agent[np.linalg.norm(frame.astype(float) - (71, 115, 240), axis=-1) < 90] = 255
+    assert estimate_scene(no_agent) is None and fit_block(no_agent)[1] < MAX_MISMATCH / 2
     # The block drawn as a grey disc of the T's area, as a drifting model draws a dissolved
     # block (the agent is elsewhere and stays sharp). A moderate blur still fits a T.
     block = locate(frame).block

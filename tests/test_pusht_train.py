@@ -231,6 +231,10 @@ def test_simulated_targets_continue_the_scene_the_rollout_shows(small_data, tmp_
         rollouts.sample(2)
     # As if the model drew the true frames, shifted by a step (so they are not the truth).
     rollouts.frames = b.frames[rollouts.episodes, :16].clone()
+    rollouts.max_mismatch = 0.0  # no drawn T is perfect: no chunk counts
+    rollouts._simulate()
+    assert not rollouts.valid.any()
+    rollouts.max_mismatch = 0.35
     rollouts._simulate()
     assert (
         rollouts.valid[:, rollouts.first_chunk :].all()

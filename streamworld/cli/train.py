@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..pusht.data import ROLLOUT_TARGETS
 from ..pusht.policy import PUSH_SHARE
+from ..pusht.pose import MAX_MISMATCH
 from . import arguments
 from .errors import UsageError
 
@@ -111,6 +112,14 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "from the scene the rollout's last context frames show (simulated; default true)",
     )
     group.add_argument(
+        "--rollout-max-mismatch",
+        type=float,
+        default=MAX_MISMATCH,
+        help="with --rollout-targets simulated: how far a context block may be from a T shape "
+        "(the fit's squared error per pixel of the T; true frames stay below 0.16) and still get a "
+        f"simulated target (default {MAX_MISMATCH})",
+    )
+    group.add_argument(
         "--rollout-every",
         type=int,
         default=100,
@@ -176,12 +185,13 @@ def _rollout_options(args: argparse.Namespace) -> dict:
         "rollout_episodes": args.rollout_episodes,
         "rollout_frames": args.rollout_frames,
         "rollout_targets": args.rollout_targets,
+        "rollout_max_mismatch": args.rollout_max_mismatch,
         "rollout_workers": args.workers or max(1, min(os.cpu_count() or 1, 32)),
     }
 
 
 def _check(args: argparse.Namespace, workdir: Path) -> None:
-    for name in ("change_weight", "block_weight"):
+    for name in ("change_weight", "block_weight", "rollout_max_mismatch"):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
     for name in ("push_share", "rollout_share"):

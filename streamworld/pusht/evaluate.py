@@ -10,7 +10,11 @@ h (frames after the first), over all seeds:
   baseline (predicting that nothing moves);
 - the distance, in frame pixels, between where the agent (and the T block) is in the true
   frame and in the predicted one, both located the same way (`world.locate`), with the
-  baseline's error for comparison, and how often the model lost the object (not visible).
+  baseline's error for comparison, and how often the model lost the object (not visible);
+- at the horizons of `REPORT_HORIZONS`, how often the predicted block is still a T
+  (`block_t_shape`): its fitted T's mismatch (`pose.fit_block`) is within
+  `pose.MAX_MISMATCH`, the bound that true frames meet with room to spare. A block that
+  blurs into a blob, or vanishes, is not.
 
 With `teacher_forced`, one more predictor, `teacher-forced`: every chunk is predicted from
 the true past (`clean` mode, each chunk's K/V committed from the true frames instead of the
@@ -35,6 +39,7 @@ from ..engine import GenerationRequest, ReferenceGenerator
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel
 from .policy import ScriptedPolicy
+from .pose import MAX_MISMATCH, fit_block
 from .world import PushTWorld, locate
 
 # The policy seed of evaluation episode `seed` (disjoint from the training data's).
@@ -142,6 +147,12 @@ def frame_metrics(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
     }
 
 
+def is_t_shaped(frame: np.ndarray) -> bool:
+    """Whether the frame's block is visible and fits a T (`pose.fit_block`)."""
+    fit = fit_block(frame)
+    return fit is not None and fit[1] <= MAX_MISMATCH
+
+
 def evaluate(
     model: WorldModel,
     seeds: list[int],
@@ -165,6 +176,8 @@ def evaluate(
     rows: dict[str, list[list[dict[str, float]]]] = {name: [] for name in predictors}
     baseline: list[list[dict[str, float]]] = []
     seconds = {name: 0.0 for name in predictors}
+    shape_horizons = [h for h in REPORT_HORIZONS if h <= horizon]
+    shapes = {name: {h: [] for h in shape_horizons} for name in predictors}
     bar = tqdm(
         total=len(seeds) * len(predictors), desc="evaluating pusht", unit="rollout", disable=not progress
     )
@@ -176,6 +189,8 @@ def evaluate(
             pred = _predict(generator, ep, mode, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
             seconds[mode] += time.perf_counter() - start
             rows[mode].append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
+            for h in shape_horizons:
+                shapes[mode][h].append(is_t_shaped(pred[h - 1]))
             bar.update()
     bar.close()
 
@@ -193,6 +208,10 @@ def evaluate(
         "timesteps": list(cfg.denoising_steps),
         "baseline": summarise(baseline),
         "modes": {mode: summarise(rows[mode]) for mode in predictors},
+        "block_t_shape": {
+            mode: {str(h): round(float(np.mean(v)), 4) for h, v in per_h.items()}
+            for mode, per_h in shapes.items()
+        },
         "generation_fps": {
             mode: round(len(seeds) * num_chunks * fpc / seconds[mode], 1) for mode in predictors
         },
@@ -249,4 +268,7 @@ def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) ->
                 continue
             cells = [_cell(values[key][h - 1], digits) for h in hs]
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")
+    for mode, shares in report.get("block_t_shape", {}).items():
+        cells = [_cell(shares.get(str(h), math.nan), 2) for h in hs]
+        lines.append(f"| model, {mode} | block is a T (share) | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -91,23 +91,30 @@ def estimate_scene(frame: np.ndarray, max_mismatch: float = MAX_MISMATCH) -> Sce
     a frame [H, W, 3] uint8 shows, or None where the agent or the block is not visible, or
     where the block is not T-shaped: the fitted T's squared error over the pixels the T
     covers (its mismatch, `fit_block`) above `max_mismatch`."""
-    fit = fit_block(frame)
-    if fit is None or fit[1] > max_mismatch:
-        return None
-    return fit[0]
-
-
-def fit_block(frame: np.ndarray) -> tuple[Scene, float] | None:
-    """`estimate_scene`'s scene and the fit's mismatch (0 for a perfect T), or None where
-    the agent or the block is not visible."""
-    h, w, _ = frame.shape
     weights = palette_weights(frame)
     found = locate(frame, weights)
     if found.agent is None or found.block is None:
         return None
+    pose, mismatch = _fit_block(weights, found.block)
+    if mismatch > max_mismatch:
+        return None
+    unit = WORLD_SIZE / frame.shape[1]
+    return Scene((found.agent[0] * unit, found.agent[1] * unit), pose)
+
+
+def fit_block(frame: np.ndarray) -> tuple[tuple[float, float, float], float] | None:
+    """The block's pose (x, y, angle) that best explains a frame, and the fit's mismatch (0
+    for a perfect T), or None where no block is visible (`locate`)."""
+    weights = palette_weights(frame)
+    block = locate(frame, weights).block
+    return None if block is None else _fit_block(weights, block)
+
+
+def _fit_block(weights: np.ndarray, block: tuple[float, float]) -> tuple[tuple[float, float, float], float]:
+    h, w, _ = weights.shape
     unit = WORLD_SIZE / w
     crop = round(_CROP * w / 64)
-    centre = found.block
+    centre = block
     for _ in range(2):  # the crop around locate's centroid, then around the crop's own
         x0 = int(np.clip(round(centre[0] - crop / 2), 0, w - crop))
         y0 = int(np.clip(round(centre[1] - crop / 2), 0, h - crop))
@@ -119,9 +126,7 @@ def fit_block(frame: np.ndarray) -> tuple[Scene, float] | None:
     mask = (weights[rows, cols, 3] < 0.1).astype(np.float64)
     centroid = (centre[0] * unit, centre[1] * unit)
     (x, y, angle), error = _fit(target, mask, xs * unit, ys * unit, unit, centroid)
-    agent = (found.agent[0] * unit, found.agent[1] * unit)
-    scene = Scene(agent, (float(x), float(y), float(angle % (2 * np.pi))))
-    return scene, error / (_AREA / unit**2)
+    return (float(x), float(y), float(angle % (2 * np.pi))), error / (_AREA / unit**2)
 
 
 def place(world: PushTWorld, scene: Scene, previous: Scene) -> None:
@@ -149,15 +154,17 @@ def _one_motion(previous: Scene, scene: Scene) -> bool:
 _WORLD: PushTWorld | None = None  # one environment per process, reused by `continue_frames`
 
 
-def continue_frames(job: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray | None:
+def continue_frames(job: tuple) -> np.ndarray | None:
     """What the environment draws after a pair of frames: `job` is (the frame before,
-    the frame, actions [k, 2]); the result is k frames uint8 [k, H, W, 3], simulated from
+    the frame, actions [k, 2]), and optionally the largest mismatch of a block that counts
+    as a T (default `MAX_MISMATCH`); the result is k frames uint8 [k, H, W, 3], simulated from
     the scene the two frames show (`estimate_scene`, `place`). None where either frame
     does not show both the agent and a T-shaped block, or where the two scenes are further
     apart than one step can move them (`MAX_STEP`). One job per call, for process pools."""
     global _WORLD
-    before, frame, actions = job
-    scene, previous = estimate_scene(frame), estimate_scene(before)
+    before, frame, actions, *rest = job
+    limit = rest[0] if rest else MAX_MISMATCH
+    scene, previous = estimate_scene(frame, limit), estimate_scene(before, limit)
     if scene is None or previous is None or not _one_motion(previous, scene):
         return None
     size = frame.shape[0]

@@ -54,6 +54,7 @@ from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel, resolve_device
 from .data import ROLLOUT_TARGETS, Dataset, DatasetSpec, generate_dataset
+from .pose import MAX_MISMATCH
 from .world import block_mask
 
 REGIMES = ("clean", "final", "noisy")
@@ -93,6 +94,9 @@ class TrainConfig:
     # environment continued from the scene the rollout's last two context frames show,
     # `pusht/pose.py`), a target the drifted context is consistent with.
     rollout_targets: str = "true"
+    # "simulated": the largest fit mismatch of a context block that still counts as a T
+    # (`pose.fit_block`); chunks after a block further from a T get no target.
+    rollout_max_mismatch: float = MAX_MISMATCH
     # Processes that simulate targets ("simulated"); 1 runs them in the training process.
     rollout_workers: int = 1
     seed: int = 0
@@ -203,6 +207,7 @@ class RolloutContext:
         generator: torch.Generator,
         targets: str = "true",
         workers: int = 1,
+        max_mismatch: float = MAX_MISMATCH,
     ) -> None:
         chunk, n = batcher.chunk, batcher.clip
         if frames < n or frames % chunk:
@@ -217,7 +222,7 @@ class RolloutContext:
             raise ValueError(f"rollout targets must be one of {ROLLOUT_TARGETS}, got {targets!r}")
         self.model, self.batcher, self.gen = model, batcher, generator
         self.num_episodes, self.num_frames = episodes, frames
-        self.targets, self.workers = targets, workers
+        self.targets, self.workers, self.max_mismatch = targets, workers, max_mismatch
         self.episodes: torch.Tensor | None = None  # [R] data set episodes of the rollouts
         self.seeds: torch.Tensor | None = None  # [R] their noise seeds
         self.frames: torch.Tensor | None = None  # uint8 [R, frames, S, S, 3]: frames 1..frames
@@ -270,7 +275,10 @@ class RolloutContext:
         actions = b.actions[self.episodes].cpu().numpy()
         pairs = [(r, c) for r in range(len(own)) for c in range(self.first_chunk, own.shape[1] // k)]
         # The context's last frame before chunk c is frame c k, at c k - 1 in the rollout.
-        jobs = [(own[r, c * k - 2], own[r, c * k - 1], actions[r, c * k : (c + 1) * k]) for r, c in pairs]
+        jobs = [
+            (own[r, c * k - 2], own[r, c * k - 1], actions[r, c * k : (c + 1) * k], self.max_mismatch)
+            for r, c in pairs
+        ]
         if self.workers > 1 and self._pool is None:
             self._pool = mp.get_context("spawn").Pool(self.workers)
         pool = self._pool
@@ -416,6 +424,7 @@ class Trainer:
                 self.gen,
                 targets=train_config.rollout_targets,
                 workers=train_config.rollout_workers,
+                max_mismatch=train_config.rollout_max_mismatch,
             )
             if train_config.rollout_share > 0
             else None

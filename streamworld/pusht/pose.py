@@ -1,8 +1,9 @@
 """The block's whole pose (position and angle) and the agent's position, read from a frame.
 
 `locate` (`pusht/world.py`) gives centroids; simulating what comes after a frame needs the
-state the physics uses: the block body's position (its centre of gravity, as pymunk keeps
-it) and its angle. `estimate_scene` fits the T's outline to the frame's block weight map:
+state the physics uses: the block body's position (where pymunk puts the body's origin,
+the middle of the T's top edge) and its angle. `fit_block` fits the T to the frame's block
+weight map:
 
 1. the block's weighted centroid, from `locate`;
 2. for every angle on a 3-degree grid, the body position that puts the T's area centroid

@@ -194,8 +194,8 @@ class RolloutContext:
     at the same steps as the context copy, and as the target either the true frames
     (`targets="true"`) or the environment continued from the scene that the context's last
     two frames show (`"simulated"`, `pusht/pose.py: continue_frames`; chunks whose frames do
-    not show both objects are not drawn). Only the last chunk is trained: the others have no
-    drifted context before them.
+    not show both objects, or a block within `max_mismatch` of a T, are not drawn). Only
+    the last chunk is trained: the others have no drifted context before them.
     """
 
     def __init__(
@@ -313,7 +313,9 @@ class RolloutContext:
         # frame 1 at the earliest, so c >= n / chunk - 1 (its window is then full).
         candidates = self.valid.nonzero()
         if not len(candidates):
-            raise RuntimeError("no rollout chunk has a target: no frame showed both the agent and the block")
+            raise RuntimeError(
+                "no rollout chunk has a target: no context frame shows the agent and a T-shaped block"
+            )
         drawn = candidates[torch.randint(0, len(candidates), (batch_size,), generator=g, device=dev)]
         pick, c = drawn[:, 0], drawn[:, 1]
         index = (1 + (c + 1) * chunk - n)[:, None] + torch.arange(n, device=dev)  # frames of the clip

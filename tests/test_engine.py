@@ -227,30 +227,36 @@ async def test_random_cancellations_free_everything_and_leave_others_unchanged(t
     assert cancelled_total >= wanted
 
 
-async def test_interactive_streams_meet_deadlines_ahead_of_standard():
+async def test_interactive_streams_are_served_ahead_of_standard():
     # 32 fps: a 12-frame chunk is due every 0.375 s per stream. Two streams fit a small CPU,
-    # eight do not; a token budget of two units per batch makes the streams compete.
+    # eight do not; a token budget of two units per batch makes the streams compete. What
+    # the scheduler decides is the order, which holds however busy the machine is; which
+    # deadlines are met depends on the machine's speed (docs/benchmarks.md measures that).
     model = load_tiny(fps=32)
     budget = 2 * model.config.latent_frames_per_chunk * model.config.tokens_per_frame
     config = EngineConfig(
-        ttff_budget_s=0.5, scheduler=SchedulerConfig(lookahead_chunks=2.0, token_budget=budget)
+        ttff_budget_s=0.5,
+        trace=True,
+        scheduler=SchedulerConfig(lookahead_chunks=2.0, token_budget=budget),
     )
     async with AsyncEngine(model, config) as engine:
         handles = {}
         for i in range(8):
             prio = "interactive" if i < 2 else "standard"
             handles[i] = (prio, engine.open_stream(StreamRequest(seed=i, num_chunks=5, priority=prio)))
-        results = {
-            i: await_
-            for i, await_ in zip(
-                handles, await asyncio.gather(*(collect(h) for _, h in handles.values())), strict=True
-            )
-        }
-    met = {"interactive": [], "standard": []}
-    for i, (prio, _) in handles.items():
-        met[prio].extend(not c.deadline_missed for c in results[i])
-    share = {k: sum(v) / len(v) for k, v in met.items()}
-    assert share["interactive"] > share["standard"], share
+        results = await asyncio.gather(*(collect(h) for _, h in handles.values()))
+        trace = sorted(engine.trace, key=lambda e: e.end)
+    assert all(len(chunks) == 5 for chunks in results)
+    priority = {h.id: prio for prio, h in handles.values()}
+    finished = {e.unit.stream: e.end for e in trace}  # each stream's last unit
+    interactive = [t for s, t in finished.items() if priority[s] == "interactive"]
+    standard = [t for s, t in finished.items() if priority[s] == "standard"]
+    assert len(interactive) == 2 and len(standard) == 6
+    assert max(interactive) <= min(standard), (interactive, standard)
+    rank = {"interactive": [], "standard": []}
+    for k, e in enumerate(trace):
+        rank[priority[e.unit.stream]].append(k)
+    assert np.mean(rank["interactive"]) < np.mean(rank["standard"])
 
 
 async def test_streams_do_not_run_far_ahead_of_their_playback_clock():

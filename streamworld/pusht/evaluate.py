@@ -194,10 +194,7 @@ def evaluate(
             bar.update()
     bar.close()
 
-    def summarise(per_seed: list[list[dict[str, float]]]) -> dict[str, list[float]]:
-        keys = per_seed[0][0].keys()
-        return {k: [round(_nanmean([s[h][k] for s in per_seed]), 4) for h in range(horizon)] for k in keys}
-
+    frames_made = len(seeds) * num_chunks * fpc
     return {
         "model": cfg.id,
         "seeds": [seeds[0], seeds[-1]] if seeds == list(range(seeds[0], seeds[-1] + 1)) else seeds,
@@ -206,16 +203,20 @@ def evaluate(
         "frame_size": cfg.height,
         "denoising_steps": cfg.num_steps,
         "timesteps": list(cfg.denoising_steps),
-        "baseline": summarise(baseline),
-        "modes": {mode: summarise(rows[mode]) for mode in predictors},
+        "baseline": _summarise(baseline, horizon),
+        "modes": {mode: _summarise(rows[mode], horizon) for mode in predictors},
         "block_t_shape": {
             mode: {str(h): round(float(np.mean(v)), 4) for h, v in per_h.items()}
             for mode, per_h in shapes.items()
         },
-        "generation_fps": {
-            mode: round(len(seeds) * num_chunks * fpc / seconds[mode], 1) for mode in predictors
-        },
+        "generation_fps": {mode: round(frames_made / seconds[mode], 1) for mode in predictors},
     }
+
+
+def _summarise(per_seed: list[list[dict[str, float]]], horizon: int) -> dict[str, list[float]]:
+    """Per metric, its mean over the seeds at each horizon."""
+    keys = per_seed[0][0].keys()
+    return {k: [round(_nanmean([s[h][k] for s in per_seed]), 4) for h in range(horizon)] for k in keys}
 
 
 def _predict(

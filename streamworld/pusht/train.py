@@ -370,6 +370,18 @@ def _add_new_spatial_actions(own: dict[str, torch.Tensor], state: dict[str, torc
     return True
 
 
+def _load_init(model: WorldModel, init: str | Path) -> None:
+    """Fine-tuning: start from exported weights (ignored when resuming a checkpoint)."""
+    from ..models.checkpoint import load_dit_state_dict, load_into
+    from ..models.world_model import _check_training_record, _prefix_transformer
+
+    _check_training_record(model.config, str(init))  # same prediction and latents
+    state = _prefix_transformer(load_dit_state_dict(str(init)))
+    if _add_new_spatial_actions(model.dit.state_dict(), state):
+        print(f"note: {init} has no spatial action embedding; it starts at zero")
+    load_into(model.dit, state, what=f"--init {init}")
+
+
 class Trainer:
     def __init__(
         self,
@@ -387,16 +399,7 @@ class Trainer:
         self.device = resolve_device(device)
         model = WorldModel.load(model_config, random_weights=True, device=self.device, dtype=torch.float32)
         if init is not None:
-            # Fine-tuning: start from exported weights (ignored when resuming a checkpoint).
-            from ..models.checkpoint import load_dit_state_dict, load_into
-            from ..models.world_model import _check_training_record, _prefix_transformer
-
-            _check_training_record(model_config, str(init))  # same prediction and latents
-            state = _prefix_transformer(load_dit_state_dict(str(init)))
-            added = _add_new_spatial_actions(model.dit.state_dict(), state)
-            if added:
-                print(f"note: {init} has no spatial action embedding; it starts at zero")
-            load_into(model.dit, state, what=f"--init {init}")
+            _load_init(model, init)
         self.model = model  # the reference generator makes rollouts with it (`RolloutContext`)
         self.dit = model.dit.requires_grad_(True).train()
         self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)
@@ -415,27 +418,30 @@ class Trainer:
         self.step = 0
         self.gen = torch.Generator(device=self.device).manual_seed(train_config.seed)
         self.batcher = ClipBatcher(data, model_config, self.device, self.gen, train_config.start_share)
-        if not 0 <= train_config.rollout_share <= 1:
-            raise ValueError(f"rollout_share must be in [0, 1], got {train_config.rollout_share}")
-        self.rollouts = (
-            RolloutContext(
-                model,
-                self.batcher,
-                train_config.rollout_episodes,
-                train_config.rollout_frames,
-                self.gen,
-                targets=train_config.rollout_targets,
-                workers=train_config.rollout_workers,
-                max_mismatch=train_config.rollout_max_mismatch,
-            )
-            if train_config.rollout_share > 0
-            else None
-        )
+        self.rollouts = self._rollout_context()
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
         self.history: list[dict] = []
         self._load_checkpoint()
+
+    def _rollout_context(self) -> RolloutContext | None:
+        """The model's own rollouts as context (`rollout_share` > 0), or None."""
+        cfg = self.cfg
+        if not 0 <= cfg.rollout_share <= 1:
+            raise ValueError(f"rollout_share must be in [0, 1], got {cfg.rollout_share}")
+        if cfg.rollout_share == 0:
+            return None
+        return RolloutContext(
+            self.model,
+            self.batcher,
+            cfg.rollout_episodes,
+            cfg.rollout_frames,
+            self.gen,
+            targets=cfg.rollout_targets,
+            workers=cfg.rollout_workers,
+            max_mismatch=cfg.rollout_max_mismatch,
+        )
 
     # --- checkpoints ------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .world import FPS, WORLD_SIZE, PushTWorld, Scene, locate, palette_weights
+from .world import FPS, WORLD_SIZE, PushTWorld, Scene, _pixel_centres, locate, palette_weights
 
 # The T of gym-pusht (`PushTEnv.add_tee`, scale 30, length 4), in body coordinates: a bar
 # 120 x 30 with a 30 x 90 stem under it. A pose is the body's position (where its origin,
@@ -120,7 +120,7 @@ def _fit_block(weights: np.ndarray, block: tuple[float, float]) -> tuple[tuple[f
         x0 = int(np.clip(round(centre[0] - crop / 2), 0, w - crop))
         y0 = int(np.clip(round(centre[1] - crop / 2), 0, h - crop))
         rows, cols = slice(y0, y0 + crop), slice(x0, x0 + crop)
-        ys, xs = np.mgrid[rows, cols] + 0.5
+        ys, xs = _pixel_centres(h, w)[:, rows, cols]
         # The fill unmixes to about 0.67 of the block's colour and the outline to 1.
         target = np.minimum(weights[rows, cols, 2] / _FILL, 1.0)
         centre = ((target * xs).sum() / target.sum(), (target * ys).sum() / target.sum())

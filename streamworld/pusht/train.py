@@ -233,7 +233,8 @@ class RolloutContext:
         self.first_chunk = n // chunk - 1  # the first chunk whose window is full
         self.refreshes = 0
         self.skipped = 0  # batches made without rollout samples, since no chunk had a target
-        self.chunks = [0, 0]  # "simulated": chunks simulated so far, and those given a target
+        self.chunks_simulated = 0  # "simulated": chunks simulated so far,
+        self.chunks_with_target = 0  # and those of them given a target
         self.simulate_seconds = 0.0
         self._pool = None
 
@@ -289,8 +290,8 @@ class RolloutContext:
             if frames is not None:
                 simulated[r, c] = frames
         self.simulated = torch.from_numpy(simulated).to(b.device)
-        self.chunks[0] += len(pairs)
-        self.chunks[1] += int(self.valid.sum())
+        self.chunks_simulated += len(pairs)
+        self.chunks_with_target += int(self.valid.sum())
         self.simulate_seconds += time.perf_counter() - start
 
     @property
@@ -648,11 +649,11 @@ class Trainer:
 
     def _rollout_summary(self) -> dict:
         r = self.rollouts
-        if r is None or r.targets != "simulated" or not r.chunks[0]:
+        if r is None or r.targets != "simulated" or not r.chunks_simulated:
             return {}
         return {
             "rollout_simulate_seconds": round(r.simulate_seconds, 1),
-            "rollout_chunks_with_target": round(r.chunks[1] / r.chunks[0], 3),
+            "rollout_chunks_with_target": round(r.chunks_with_target / r.chunks_simulated, 3),
             "rollout_batches_without": r.skipped,
         }
 

@@ -1,0 +1,151 @@
+"""How fast `streamworld train pusht` trains, for the shipped model shape and larger ones.
+
+Each variant builds a `Trainer` on a small recorded data set, runs `--warmup` steps, then
+times `--steps` training steps (synchronised on a GPU). It reports steps/s, clips/s, peak
+GPU memory and an analytic count of the model's FLOPs per step, so the rate can be read
+against the device's own limit (`--peak-tflops`: an H200's dense bf16 is 989). With
+`--profile`, the first variant's kernels are profiled over three steps.
+
+    python benchmarks/pusht_train_speed.py --device cuda --json train_speed.json
+
+A variant is `name=layers,heads,ffn,batch` (the width is heads x 32, as in the shipped
+model); the defaults are the shipped shape at batch 128 and 512, 10 layers, and width 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from streamworld.models.config import ModelConfig
+from streamworld.models.presets import PUSHT
+from streamworld.pusht.data import DatasetSpec
+from streamworld.pusht.train import Trainer, TrainConfig, clip_layout, prepare_data
+
+DEFAULT_VARIANTS = ("shipped=6,6,768,128", "batch512=6,6,768,512", "10-layers=10,6,768,128", "width256=6,8,1024,128")
+
+
+def variant_config(layers: int, heads: int, ffn: int) -> ModelConfig:
+    dit = {**PUSHT.dit, "num_layers": layers, "num_attention_heads": heads, "ffn_dim": ffn}
+    return dataclasses.replace(PUSHT, dit=dit, builtin_weights=None)
+
+
+def model_flops(config: ModelConfig, batch: int) -> float:
+    """FLOPs of one training step (forward and backward): 6 x matrix parameters x tokens for
+    the blocks' linear layers, and 12 x head width x attended (query, key) pairs x heads for
+    self-attention (the frame mask's pairs only)."""
+    d = config.dit
+    width = d["num_attention_heads"] * d["attention_head_dim"]
+    per_block = 4 * width * width + 2 * width * d["ffn_dim"] + 2 * width * width  # self, ffn, cross q/out
+    tokens_per_frame = (config.height // d["patch_size"][1]) * (config.width // d["patch_size"][2])
+    _, mask = clip_layout(config)
+    tokens = mask.shape[0] * tokens_per_frame
+    pairs = int(mask.sum()) * tokens_per_frame**2
+    linear = 6 * d["num_layers"] * per_block * tokens
+    attention = 12 * d["num_layers"] * pairs * width
+    return float(batch * (linear + attention))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool) -> dict:
+    name, shape = spec.split("=")
+    layers, heads, ffn, batch = (int(x) for x in shape.split(","))
+    config = variant_config(layers, heads, ffn)
+    trainer = Trainer(config, TrainConfig(batch_size=batch, total_steps=10**9), data, tempfile.mkdtemp(), device)
+    dev = trainer.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for _ in range(warmup):
+        trainer.train_step()
+    _sync(dev)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    _sync(dev)
+    seconds = (time.perf_counter() - start) / steps
+    flops = model_flops(config, batch)
+    row = {
+        "name": name,
+        "layers": layers,
+        "width": heads * config.dit["attention_head_dim"],
+        "ffn": ffn,
+        "batch": batch,
+        "parameters_m": round(sum(p.numel() for p in trainer.dit.parameters()) / 1e6, 2),
+        "step_ms": round(seconds * 1e3, 1),
+        "steps_per_second": round(1 / seconds, 2),
+        "clips_per_second": round(batch / seconds, 1),
+        "model_tflop_per_step": round(flops / 1e12, 3),
+        "model_tflops": round(flops / seconds / 1e12, 1),
+    }
+    if dev.type == "cuda":
+        row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 1)
+    if profile:
+        _profile(trainer)
+    return row
+
+
+def _profile(trainer: Trainer) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = trainer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(3):
+            trainer.train_step()
+        _sync(trainer.device)
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    p.add_argument("variants", nargs="*", default=list(DEFAULT_VARIANTS), help="name=layers,heads,ffn,batch")
+    p.add_argument("--episodes", type=int, default=256, help="episodes of the recorded data (default 256)")
+    p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "pusht-train-speed-data"))
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument("--steps", type=int, default=25, help="timed steps (default 25)")
+    p.add_argument("--profile", action="store_true", help="profile the first variant's kernels")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 TFLOP/s")
+    p.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    args = p.parse_args(argv)
+    if min(args.episodes, args.steps) < 1 or args.warmup < 0:
+        p.error("--episodes and --steps must be at least 1, --warmup at least 0")
+    for v in args.variants:
+        if v.count("=") != 1 or len(v.split("=")[1].split(",")) != 4:
+            p.error(f"a variant is name=layers,heads,ffn,batch, not {v!r}")
+    data = prepare_data(args.data, DatasetSpec(episodes=args.episodes, steps=150, seed=1, push_share=0.85))
+    rows = []
+    for i, v in enumerate(args.variants):
+        rows.append(measure(data, v, args.device, args.warmup, args.steps, args.profile and i == 0))
+        rows[-1]["share_of_peak"] = round(rows[-1]["model_tflops"] / args.peak_tflops, 4)
+        print(json.dumps(rows[-1]), flush=True)
+    report = {
+        "benchmark": "pusht_train_speed",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "variants": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

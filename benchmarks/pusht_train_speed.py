@@ -29,9 +29,14 @@ import torch
 from streamworld.models.config import ModelConfig
 from streamworld.models.presets import PUSHT
 from streamworld.pusht.data import DatasetSpec
-from streamworld.pusht.train import Trainer, TrainConfig, clip_layout, prepare_data
+from streamworld.pusht.train import TrainConfig, Trainer, clip_layout, prepare_data
 
-DEFAULT_VARIANTS = ("shipped=6,6,768,128", "batch512=6,6,768,512", "10-layers=10,6,768,128", "width256=6,8,1024,128")
+DEFAULT_VARIANTS = (
+    "shipped=6,6,768,128",
+    "batch512=6,6,768,512",
+    "10-layers=10,6,768,128",
+    "width256=6,8,1024,128",
+)
 
 
 def variant_config(layers: int, heads: int, ffn: int) -> ModelConfig:
@@ -64,7 +69,9 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
     name, shape = spec.split("=")
     layers, heads, ffn, batch = (int(x) for x in shape.split(","))
     config = variant_config(layers, heads, ffn)
-    trainer = Trainer(config, TrainConfig(batch_size=batch, total_steps=10**9), data, tempfile.mkdtemp(), device)
+    trainer = Trainer(
+        config, TrainConfig(batch_size=batch, total_steps=10**9), data, tempfile.mkdtemp(), device
+    )
     dev = trainer.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)

@@ -133,6 +133,7 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
         ("--rollout-share", "1.5"),
         ("--rollout-every", "0"),
         ("--rollout-max-mismatch", "-0.1"),
+        ("--layers", "0"),
     ],
 )
 def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):

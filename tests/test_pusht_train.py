@@ -257,3 +257,39 @@ def test_simulated_targets_continue_the_scene_the_rollout_shows(small_data, tmp_
         assert torch.equal(clip[-k:], torch.from_numpy(expected))
         e = rollouts.episodes[r]
         assert torch.equal(clip[1 : 1 + n - k], b.frames[e, starts[0] + 1 : starts[0] + 1 + n - k])
+
+
+def test_weights_grown_into_a_deeper_model_compute_the_same_and_load_at_their_depth(small_data, tmp_path):
+    """`--init` weights with fewer blocks than `--layers`: the grown model predicts exactly
+    what the shallower one does, and its exported weights load at their own depth, even
+    through the preset of the shallower model."""
+    import dataclasses
+
+    from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+    from streamworld.models.world_model import WeightPaths
+    from streamworld.pusht.train import TrainConfig, Trainer
+
+    shallow = _trainer(small_data, tmp_path, "shallow")
+    with torch.no_grad():  # no zero outputs left in the shallower model's blocks
+        for p in shallow.ema.values():
+            if p.dtype.is_floating_point:
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    init = shallow.export(tmp_path / "shallow.safetensors")
+    cfg = smoke_config(PUSHT)
+    deep_cfg = dataclasses.replace(cfg, dit={**cfg.dit, "num_layers": cfg.num_layers + 3})
+    deep = Trainer(deep_cfg, TrainConfig(batch_size=4), small_data, tmp_path / "deep", "cpu", init=init)
+    grown = deep.export(tmp_path / "deep.safetensors")
+
+    small = WorldModel.load(cfg, WeightPaths(dit=str(init)))
+    big = WorldModel.load(cfg, WeightPaths(dit=str(grown)))  # the shallow preset: depth from the file
+    assert big.config.num_layers == cfg.num_layers + 3 == len(big.dit.transformer.blocks)
+    request = GenerationRequest(
+        seed=1,
+        num_chunks=3,
+        image=np.asarray(small_data.frames[0][0]),
+        actions=np.asarray(small_data.actions[0][:12], dtype=np.float32),
+    )
+    a = ReferenceGenerator(small).generate(request).frames
+    b = ReferenceGenerator(big).generate(request).frames
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(a).std() > 0  # frames that show something

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     arguments.check_engine_arguments(args)
     arguments.check_output_folder("--json", args.json)
     config = loading.preset(args)
-    placed = loading.placement(args, config.num_layers)  # checked before any weights load
+    placed = loading.placement(args, loading.model_depth(config, args))  # checked before any weights load
     if args.devices or args.placement:
         loading.apply_threads(args)
         loading.check_weight_paths(args)

@@ -97,6 +97,20 @@ def weight_paths(args: argparse.Namespace) -> WeightPaths:
     )
 
 
+def model_depth(config: ModelConfig, args: argparse.Namespace) -> int:
+    """DiT blocks of the model `args` load: the preset's, or what trained weights record
+    (`streamworld train pusht --layers`)."""
+    from ..models.world_model import recorded_depth
+
+    try:
+        dit = weight_paths(args).resolve().dit
+    except FileNotFoundError:  # a --weights folder that is not there: checked where it loads
+        return config.num_layers
+    if dit is None or not Path(dit).is_file():
+        return config.num_layers
+    return recorded_depth(config, dit).num_layers
+
+
 def override_preset(config: ModelConfig, args: argparse.Namespace) -> ModelConfig:
     """The preset with --frame-size, --window, --sink, --chunk, --steps and --default-kv-mode applied."""
     changes: dict = {}

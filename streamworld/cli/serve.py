@@ -215,7 +215,8 @@ def config_of(deploy: DeployConfig, devices_here: bool = True) -> ServeConfig:
             loading.override_preset(PRESETS[mid], ns)  # the geometry, checked before anything loads
         except UsageError as e:
             raise UsageError(str(e) if mid in str(e) else f"{mid}: {e}") from None
-        placements[mid] = loading.placement(ns, PRESETS[mid].num_layers, f"{mid}: ", devices_here)
+        depth = loading.model_depth(PRESETS[mid], ns) if devices_here else PRESETS[mid].num_layers
+        placements[mid] = loading.placement(ns, depth, f"{mid}: ", devices_here)
     server, engine = deploy.server, deploy.engine
     token = server.auth_token if server.auth_token is not None else os.environ.get(TOKEN_ENV)
     if token is not None and not token.strip():

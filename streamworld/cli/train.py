@@ -44,7 +44,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--init",
         metavar="PATH",
-        help="start from these exported weights (fine-tuning) instead of random ones",
+        help="start from these exported weights (fine-tuning) instead of random ones; weights with "
+        "fewer blocks than --layers are grown: each new block starts as the identity",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        metavar="N",
+        help="DiT blocks (default: the preset's, 6). The exported weights record it, and every "
+        "command that loads them builds that many blocks",
     )
     parser.add_argument(
         "--smoke",
@@ -143,6 +151,8 @@ def _configs(args: argparse.Namespace):
     config = get_preset(args.model)
     if args.prediction is not None:
         config = dataclasses.replace(config, prediction=args.prediction)
+    if args.layers is not None:
+        config = dataclasses.replace(config, dit={**config.dit, "num_layers": args.layers})
     spec = DatasetSpec(
         episodes=args.episodes,
         steps=args.steps_per_episode,
@@ -208,6 +218,8 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
     ):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    if args.layers is not None and args.layers < 1:
+        raise UsageError("--layers must be at least 1")
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
     if workdir.exists() and not workdir.is_dir():

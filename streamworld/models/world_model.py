@@ -7,6 +7,7 @@ weight paths unless random weights are asked for explicitly (benchmarks).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class WorldModel:
             raise ValueError(f"unknown decoder {decoder!r}; use wan or lite")
         weights = (weights or WeightPaths()).resolve()
         dev = device if isinstance(device, torch.device) else resolve_device(device)
+        if weights.dit is not None:
+            config = recorded_depth(config, weights.dit)
         dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
         if config.requires_weights and not random_weights:
             missing = [
@@ -303,16 +306,30 @@ def _lite_decoder(config: ModelConfig, path: str | None, random_weights: bool) -
         return LiteDecoder.for_model(config)
 
 
+def _training_record(path: str) -> dict[str, str]:
+    """The metadata `streamworld train` writes into exported weights ({} for other files)."""
+    if not path.endswith(".safetensors") or not Path(path).is_file():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return f.metadata() or {}
+
+
+def recorded_depth(config: ModelConfig, path: str) -> ModelConfig:
+    """`config` with the number of DiT blocks that weights exported by `streamworld train`
+    record (`train pusht --layers` trains deeper models than the preset)."""
+    layers = _training_record(path).get("num_layers")
+    if layers is None or int(layers) == config.dit["num_layers"]:
+        return config
+    return dataclasses.replace(config, dit={**config.dit, "num_layers": int(layers)})
+
+
 def _check_training_record(config: ModelConfig, path: str) -> None:
     """Weights exported by `streamworld train` record what the DiT predicts and what its latents
     are; both must match the model's config (weights from before latents were recorded were
     trained on plain pixels)."""
-    if not path.endswith(".safetensors") or not Path(path).is_file():
-        return
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
+    meta = _training_record(path)
     recorded = meta.get("prediction")
     if recorded is None:  # not exported by `streamworld train`
         return

@@ -371,15 +371,50 @@ def _add_new_spatial_actions(own: dict[str, torch.Tensor], state: dict[str, torc
     return True
 
 
+# A block's outputs into the residual stream: zero them and the block is the identity.
+_BLOCK_OUTPUTS = ("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2")
+
+
+def _block_count(state: dict[str, torch.Tensor]) -> int:
+    found = {int(k.split(".")[2]) for k in state if k.startswith("transformer.blocks.")}
+    return max(found) + 1 if found else 0
+
+
+def grow_blocks(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (n blocks) spread over a model of N > n blocks (`own`, its initial values),
+    computing exactly what `state` computes: one new block follows each of the first N - n
+    old blocks (old block i goes to i + min(i, N - n)), and the new blocks keep their own
+    initial values with their outputs zeroed, so each adds nothing until training moves it."""
+    old, new = _block_count(state), _block_count(own)
+    extra = new - old
+    grown = {k: v for k, v in state.items() if not k.startswith("transformer.blocks.")}
+    for key, value in state.items():
+        if key.startswith("transformer.blocks."):
+            _, _, index, rest = key.split(".", 3)
+            i = int(index)
+            grown[f"transformer.blocks.{i + min(i, extra)}.{rest}"] = value
+    for key, value in own.items():
+        if key.startswith("transformer.blocks.") and key not in grown:
+            zero = any(f".{name}." in key for name in _BLOCK_OUTPUTS)
+            grown[key] = torch.zeros_like(value) if zero else value
+    return grown
+
+
 def _load_init(model: WorldModel, init: str | Path) -> None:
-    """Fine-tuning: start from exported weights (ignored when resuming a checkpoint)."""
+    """Fine-tuning: start from exported weights (ignored when resuming a checkpoint). Weights
+    with fewer blocks than the model are grown into it (`grow_blocks`)."""
     from ..models.checkpoint import load_dit_state_dict, load_into
     from ..models.world_model import _check_training_record, _prefix_transformer
 
     _check_training_record(model.config, str(init))  # same prediction and latents
     state = _prefix_transformer(load_dit_state_dict(str(init)))
-    if _add_new_spatial_actions(model.dit.state_dict(), state):
+    own = model.dit.state_dict()
+    if _add_new_spatial_actions(own, state):
         print(f"note: {init} has no spatial action embedding; it starts at zero")
+    old, new = _block_count(state), _block_count(own)
+    if 0 < old < new:
+        print(f"note: {init} has {old} blocks; grown to {new} (the new blocks start as the identity)")
+        state = grow_blocks(own, state)
     load_into(model.dit, state, what=f"--init {init}")
 
 
@@ -490,6 +525,7 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "model": self.mcfg.id,
+            "num_layers": str(self.mcfg.dit["num_layers"]),
             "prediction": self.mcfg.prediction,
             "latent_space": self.mcfg.latent_space,
             "step": str(self.step),

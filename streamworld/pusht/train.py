@@ -411,7 +411,7 @@ def _load_init(model: WorldModel, init: str | Path) -> None:
     own = model.dit.state_dict()
     if _add_new_spatial_actions(own, state):
         print(f"note: {init} has no spatial action embedding; it starts at zero")
-    old, new = _block_count(state), _block_count(own)
+    old, new = _block_count(state), model.config.num_layers
     if 0 < old < new:
         print(f"note: {init} has {old} blocks; grown to {new} (the new blocks start as the identity)")
         state = grow_blocks(own, state)

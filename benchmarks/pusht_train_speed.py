@@ -4,9 +4,11 @@ Each variant builds a `Trainer` on a small recorded data set, runs `--warmup` st
 times `--steps` training steps (synchronised on a GPU). It reports steps/s, clips/s, peak
 GPU memory and an analytic count of the model's FLOPs per step, so the rate can be read
 against the device's own limit (`--peak-tflops`: an H200's dense bf16 is 989). With
-`--profile`, the first variant's kernels are profiled over three steps.
+`--profile`, the first variant's kernels are profiled over three steps. `--compile both`
+times each variant eagerly and through torch.compile (`train pusht --compile`), one after
+the other; the first step's time, which includes the compilation, is reported apart.
 
-    python benchmarks/pusht_train_speed.py --device cuda --json train_speed.json
+    python benchmarks/pusht_train_speed.py --device cuda --compile both --json train_speed.json
 
 A variant is `name=layers,heads,ffn,batch` (the width is heads x 32, as in the shipped
 model); the defaults are the shipped shape at batch 128 and 512, 10 layers, and width 256.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import platform
 import sys
@@ -65,16 +68,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool) -> dict:
+def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool, compiled: bool) -> dict:
     name, shape = spec.split("=")
     layers, heads, ffn, batch = (int(x) for x in shape.split(","))
     config = variant_config(layers, heads, ffn)
-    trainer = Trainer(
-        config, TrainConfig(batch_size=batch, total_steps=10**9), data, tempfile.mkdtemp(), device
-    )
+    train_config = TrainConfig(batch_size=batch, total_steps=10**9, compile=compiled)
+    trainer = Trainer(config, train_config, data, tempfile.mkdtemp(), device)
     dev = trainer.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    start = time.perf_counter()
+    trainer.train_step()
+    _sync(dev)
+    first = time.perf_counter() - start
     for _ in range(warmup):
         trainer.train_step()
     _sync(dev)
@@ -86,6 +92,8 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
     flops = model_flops(config, batch)
     row = {
         "name": name,
+        "compiled": compiled,
+        "first_step_s": round(first, 2),
         "layers": layers,
         "width": heads * config.dit["attention_head_dim"],
         "ffn": ffn,
@@ -127,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     p.add_argument("--steps", type=int, default=25, help="timed steps (default 25)")
     p.add_argument("--profile", action="store_true", help="profile the first variant's kernels")
+    p.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default="off",
+        help="the training forward eager (off), through torch.compile (on), or each variant both "
+        "ways (default off)",
+    )
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 TFLOP/s")
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     args = p.parse_args(argv)
@@ -136,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         if v.count("=") != 1 or len(v.split("=")[1].split(",")) != 4:
             p.error(f"a variant is name=layers,heads,ffn,batch, not {v!r}")
     data = prepare_data(args.data, DatasetSpec(episodes=args.episodes, steps=150, seed=1, push_share=0.85))
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     rows = []
-    for i, v in enumerate(args.variants):
-        rows.append(measure(data, v, args.device, args.warmup, args.steps, args.profile and i == 0))
+    for i, (v, compiled) in enumerate(itertools.product(args.variants, modes)):
+        rows.append(measure(data, v, args.device, args.warmup, args.steps, args.profile and i == 0, compiled))
         rows[-1]["share_of_peak"] = round(rows[-1]["model_tflops"] / args.peak_tflops, 4)
         print(json.dumps(rows[-1]), flush=True)
     report = {

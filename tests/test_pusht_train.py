@@ -293,3 +293,30 @@ def test_weights_grown_into_a_deeper_model_compute_the_same_and_load_at_their_de
     b = ReferenceGenerator(big).generate(request).frames
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.asarray(a).std() > 0  # frames that show something
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+def test_compiled_training_steps_equal_the_eager_ones(small_data, tmp_path, device):
+    """`--compile`: the same seeds give the same losses and weights as the eager forward, up to
+    float rounding (bf16 autocast on a GPU), and the forward did go through torch.compile."""
+    from torch._dynamo.utils import counters
+
+    from streamworld.pusht.train import TrainConfig, Trainer
+
+    def trainer(name: str, compiled: bool) -> Trainer:
+        config = TrainConfig(batch_size=4, warmup_steps=1, compile=compiled, seed=7)
+        return Trainer(smoke_config(PUSHT), config, small_data, tmp_path / name, device)
+
+    torch._dynamo.reset()
+    eager, compiled = trainer("eager", False), trainer("compiled", True)
+    for _ in range(3):
+        a, b = eager.train_step(), compiled.train_step()
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2 if device == "cuda" else 1e-4)
+    assert counters["stats"]["unique_graphs"] > 0, "torch.compile never ran"
+    tol = 2e-2 if device == "cuda" else 1e-4
+    for key, value in eager.ema.items():
+        torch.testing.assert_close(compiled.ema[key], value, rtol=tol, atol=tol, msg=key)
+    moved = max((eager.ema[k] - v).abs().max().item() for k, v in trainer("fresh", False).ema.items())
+    assert moved > 0, "the steps changed no weight"

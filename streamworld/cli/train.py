@@ -139,6 +139,13 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--rollout-frames", type=int, default=32, help="frames per rollout, whole chunks (default 32)"
     )
+    group.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the training forward through torch.compile: fused kernels, the same losses up to "
+        "rounding; the first step compiles (about a minute). Needs Triton on a GPU, a C++ compiler "
+        "on the CPU",
+    )
     group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
 
@@ -167,6 +174,7 @@ def _configs(args: argparse.Namespace):
         seed=args.seed,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
+        compile=args.compile,
         **_rollout_options(args),
     )
     if not args.smoke:

@@ -150,6 +150,12 @@ def _rotate_real(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
     return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).type_as(x)
 
 
+def _rotate_traced(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`_rotate` for a whole forward traced by torch.compile (the training forward): real
+    arithmetic, since Inductor generates no code for complex numbers."""
+    return _rotate_real(x, torch.stack([cos[..., 0::2].float(), sin[..., 0::2].float()], dim=-1))
+
+
 @dataclass(frozen=True)
 class _Elementwise:
     attention_norm: Callable[..., torch.Tensor] = _attention_norm
@@ -604,12 +610,15 @@ class CausalWanDiT(nn.Module):
         positions: torch.Tensor,
         frame_mask: torch.Tensor,
         latent_actions: torch.Tensor | None = None,
+        max_position: int | None = None,
     ) -> torch.Tensor:
         """Flow [B, C, T, h, w] for frames with explicit temporal positions and frame mask.
 
         positions [T]: each frame's temporal RoPE position; frame_mask [T, T] bool: query
         frame i attends to key frame j. Training uses it to put a clean (or noisy) copy of the
         context next to the frames being denoised, each attending as the cached forward would.
+        `max_position`: the largest of `positions` when the caller knows it (read from the
+        tensor otherwise, which torch.compile cannot trace without a graph break).
         """
         dtype = self.transformer.proj_out.weight.dtype
         b, _, t = latents.shape[:3]
@@ -619,13 +628,14 @@ class CausalWanDiT(nn.Module):
             hidden = self._add_spatial_actions(hidden, latent_actions.to(hidden.device))
         act = StageActivation(hidden, modulation, temb, num_frames=t)
         positions = positions.to(hidden.device)
-        cos, sin = self.rope(int(positions.max()) + 1)
+        cos, sin = self.rope((int(positions.max()) if max_position is None else max_position) + 1)
         cos, sin = cos[positions].flatten(0, 1)[:, None], sin[positions].flatten(0, 1)[:, None]  # [T*P, 1, d]
         p = self.tokens_per_frame
         mask = frame_mask.to(hidden.device).repeat_interleave(p, 0).repeat_interleave(p, 1)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: int) -> torch.Tensor:
-            return _sdpa(_rotate(q, cos, sin), _rotate(k, cos, sin), v, mask)
+            rotate = _rotate_traced if torch.compiler.is_compiling() else _rotate
+            return _sdpa(rotate(q, cos, sin), rotate(k, cos, sin), v, mask)
 
         for index in range(self.num_layers):
             text_k = text.keys[index].unsqueeze(0).expand(b, -1, -1, -1)

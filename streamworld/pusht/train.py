@@ -99,6 +99,10 @@ class TrainConfig:
     rollout_max_mismatch: float = MAX_MISMATCH
     # Processes that simulate targets ("simulated"); 1 runs them in the training process.
     rollout_workers: int = 1
+    # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
+    # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
+    # up to float rounding.
+    compile: bool = False
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 100
@@ -154,6 +158,7 @@ class ClipBatcher:
             raise ValueError("the PushT recipe assumes one sink frame (the first image)")
         self.positions, self.frame_mask = clip_layout(config, device)
         self.clip = (len(self.positions) - 1) // 2
+        self.max_position = int(self.positions.max())
         self.num_chunks = self.clip // self.chunk
         if data.spec.steps < self.clip + 1:
             raise ValueError(
@@ -440,6 +445,9 @@ class Trainer:
         self.dit = model.dit.requires_grad_(True).train()
         self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)
         self.ema = {k: v.detach().clone() for k, v in self.dit.state_dict().items()}
+        self._forward = (
+            torch.compile(self.dit.forward_masked) if train_config.compile else self.dit.forward_masked
+        )
         decay, no_decay = [], []
         for name, p in self.dit.named_parameters():
             (no_decay if p.ndim < 2 or "norm" in name or "table" in name else decay).append(p)
@@ -583,8 +591,14 @@ class Trainer:
         latent_actions = torch.cat([zero, actions, actions], 1)
         text = self.dit.prepare_text(self.text_zeros)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            flow = self.dit.forward_masked(
-                latents, timesteps, text, self.batcher.positions, self.batcher.frame_mask, latent_actions
+            flow = self._forward(
+                latents,
+                timesteps,
+                text,
+                self.batcher.positions,
+                self.batcher.frame_mask,
+                latent_actions,
+                max_position=self.batcher.max_position,
             )
         pred = flow[:, :, 1 + n :].float()
         target = x0 if self.mcfg.prediction == "x0" else noise - x0
@@ -631,14 +645,21 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.dit.parameters(), self.cfg.grad_clip)
         self.opt.step()
         self.step += 1
+        self._update_ema()
+        return {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm), **stats}
+
+    def _update_ema(self) -> None:
+        """EMA of the weights, one fused update for the floating-point tensors."""
         decay = min(self.cfg.ema_decay, (1 + self.step) / (10 + self.step))
+        floats, targets = [], []
         with torch.no_grad():
             for k, v in self.dit.state_dict().items():
                 if v.dtype.is_floating_point:
-                    self.ema[k].lerp_(v, 1 - decay)
+                    floats.append(v)
+                    targets.append(self.ema[k])
                 else:
                     self.ema[k].copy_(v)
-        return {"loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm), **stats}
+            torch._foreach_lerp_(targets, floats, 1 - decay)
 
     def run(self, minutes: float, progress: bool = True) -> dict:
         """Train until `total_steps` or `minutes` of wall time, checkpointing on the way."""

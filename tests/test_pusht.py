@@ -21,7 +21,7 @@ from streamworld.models import get_preset
 from streamworld.models.pixels import PixelCodec, frames_to_latents
 from streamworld.models.world_model import WorldModel, builtin_weights_path
 from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset, record_episode
-from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, psnr, ssim
+from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, psnr, record_eval_episode, ssim
 from streamworld.pusht.policy import ScriptedPolicy
 from streamworld.pusht.world import PushTWorld, block_mask, initial_frame, locate, palette_weights
 from streamworld.server.app import ServerConfig, StreamWorldServer
@@ -263,6 +263,30 @@ def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):
     assert forced["psnr"][:fpc] == free["psnr"][:fpc]
     assert forced["psnr"][fpc:] != free["psnr"][fpc:]
     assert "| model, teacher-forced |" in markdown_table(report)
+    by_motion = report["teacher_forced_by_motion"]
+    assert by_motion["all"]["chunks"] == sum(v["chunks"] for k, v in by_motion.items() if k != "all") > 0
+
+
+def test_teacher_forced_error_is_split_by_what_the_block_does():
+    """`chunk_motion` classes each chunk by the block's true motion, and scores a prediction
+    beside copying the last true frame before the chunk: a perfect prediction errs 0, and
+    that copy, given as the prediction, errs exactly as much as the copy column says."""
+    from streamworld.pusht.evaluate import MOVE_CLASSES, chunk_motion, motion_breakdown, motion_table
+
+    ep = record_eval_episode(1, 32, 64)  # seed 1's block starts still, is pushed, then stops
+    exact = chunk_motion(ep, ep.frames[1:], 4, 32)
+    assert {kind for kind, _, _ in exact} == set(MOVE_CLASSES)
+    assert all(err == 0 for _, err, _ in exact)
+    for kind, _, moved in exact:
+        assert (moved >= 0.5) == kind.startswith("moving")
+        assert moved < 4 if kind == "moving < 4 px" else True
+    copy_last = np.stack([ep.frames[4 * ((i + 3) // 4) - 4] for i in range(1, 33)])  # frame i predicted
+    for (kind, err, moved), (kind_exact, _, _) in zip(chunk_motion(ep, copy_last, 4, 32), exact, strict=True):
+        assert kind == kind_exact and err == pytest.approx(moved)
+    summary = motion_breakdown(exact)
+    assert summary["all"]["chunks"] == len(exact) == 8 and summary["all"]["model_px"] == 0
+    assert summary["moving >= 4 px"]["copy_last_px"] >= 4
+    assert "| still, pushed earlier |" in motion_table({"teacher_forced_by_motion": summary})
 
 
 def test_eval_cli_refuses_prediction_options_with_plan(capsys):

@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--teacher-forced",
         action="store_true",
         help="also predict every chunk from the true past (clean K/V committed from the true frames): "
-        "the error one chunk ahead, without the drift of a free-running rollout",
+        "the error one chunk ahead, without the drift of a free-running rollout; its block error is "
+        "also split by what the block does during the chunk (still, or moving), beside the error of "
+        "copying the last true frame",
     )
     parser.add_argument(
         "--steps",
@@ -90,7 +92,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pusht.evaluate import evaluate, markdown_table, parse_seeds
+    from ..pusht.evaluate import evaluate, markdown_table, motion_table, parse_seeds
 
     try:
         seeds = parse_seeds(args.seeds or ("0-49" if args.plan else "0-99"))
@@ -105,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
     report = evaluate(model, seeds, modes, horizon=args.horizon, teacher_forced=args.teacher_forced)
     print(markdown_table(report))
+    if "teacher_forced_by_motion" in report:
+        print()
+        print(motion_table(report))
     print("generation frames/s (reference loop, this machine): " + json.dumps(report["generation_fps"]))
     _write(args, report)
     return 0

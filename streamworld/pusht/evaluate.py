@@ -19,7 +19,10 @@ h (frames after the first), over all seeds:
 With `teacher_forced`, one more predictor, `teacher-forced`: every chunk is predicted from
 the true past (`clean` mode, each chunk's K/V committed from the true frames instead of the
 prediction). Its error is the model's error one chunk ahead; the free-running modes' error
-beyond it is drift, the model building on its own mistakes.
+beyond it is drift, the model building on its own mistakes. Its block error is also split
+by what the block does during the chunk (`motion_breakdown`): still where it started, still
+after an earlier push, or moving, each beside the error of copying the last true frame
+before the chunk (predicting that nothing moves from there).
 
 Evaluation seeds are the environment's seeds themselves; training episodes use seeds from
 `data.TRAIN_SEED_BASE` on, so no evaluation scene was seen in training.
@@ -45,6 +48,12 @@ from .world import PushTWorld, locate
 # The policy seed of evaluation episode `seed` (disjoint from the training data's).
 POLICY_SEED_OFFSET = 500_000
 REPORT_HORIZONS = (1, 2, 4, 8, 16, 24, 32)
+
+
+# Classes of the block's motion over one chunk (`motion_breakdown`): its move over the chunk
+# and its distance from where it started, in frame pixels, against this bound.
+STILL_PX = 0.5
+MOVE_CLASSES = ("still, where it started", "still, pushed earlier", "moving < 4 px", "moving >= 4 px")
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -178,6 +187,7 @@ def evaluate(
     seconds = {name: 0.0 for name in predictors}
     shape_horizons = [h for h in REPORT_HORIZONS if h <= horizon]
     shapes = {name: {h: [] for h in shape_horizons} for name in predictors}
+    motion: list[tuple[str, float, float]] = []
     bar = tqdm(
         total=len(seeds) * len(predictors), desc="evaluating pusht", unit="rollout", disable=not progress
     )
@@ -191,6 +201,8 @@ def evaluate(
             rows[mode].append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
             for h in shape_horizons:
                 shapes[mode][h].append(is_t_shaped(pred[h - 1]))
+            if mode == "teacher-forced":
+                motion += chunk_motion(ep, pred, fpc, horizon)
             bar.update()
     bar.close()
 
@@ -210,7 +222,60 @@ def evaluate(
             for mode, per_h in shapes.items()
         },
         "generation_fps": {mode: round(frames_made / seconds[mode], 1) for mode in predictors},
+        **({"teacher_forced_by_motion": motion_breakdown(motion)} if teacher_forced else {}),
     }
+
+
+def chunk_motion(ep: Episode, pred: np.ndarray, fpc: int, horizon: int) -> list[tuple[str, float, float]]:
+    """For each chunk's last frame h (up to `horizon`): the class of the block's motion over
+    the chunk (`MOVE_CLASSES`), the predicted block's error, and the error of the last true
+    frame before the chunk (frame h - fpc) as a prediction; in frame pixels. Frames where
+    the block is not found in all of them are left out."""
+    start = locate(ep.frames[0]).block
+    rows = []
+    for h in range(fpc, horizon + 1, fpc):
+        true, before, guess = (
+            locate(ep.frames[h]).block,
+            locate(ep.frames[h - fpc]).block,
+            locate(pred[h - 1]).block,
+        )
+        if None in (start, true, before, guess):
+            continue
+        moved = _distance(before, true)
+        if moved >= STILL_PX:
+            kind = MOVE_CLASSES[2] if moved < 4 else MOVE_CLASSES[3]
+        else:
+            kind = MOVE_CLASSES[0] if _distance(start, true) <= STILL_PX else MOVE_CLASSES[1]
+        rows.append((kind, _distance(guess, true), moved))
+    return rows
+
+
+def motion_breakdown(rows: list[tuple[str, float, float]]) -> dict[str, dict[str, float]]:
+    """Per motion class, and over all: chunks, the model's mean block error, and the mean
+    error of copying the last true frame before the chunk."""
+    out = {}
+    for kind in (*MOVE_CLASSES, "all"):
+        picked = [r for r in rows if kind in ("all", r[0])]
+        out[kind] = {
+            "chunks": len(picked),
+            "model_px": round(_nanmean([r[1] for r in picked]), 3),
+            "copy_last_px": round(_nanmean([r[2] for r in picked]), 3),
+        }
+    return out
+
+
+def motion_table(report: dict) -> str:
+    """`teacher_forced_by_motion` as a Markdown table."""
+    lines = [
+        "| block over the chunk (teacher-forced) | chunks | model block error (px) "
+        "| copy last true frame (px) |",
+        "|---|---|---|---|",
+    ]
+    for kind, v in report["teacher_forced_by_motion"].items():
+        lines.append(
+            f"| {kind} | {v['chunks']} | {_cell(v['model_px'], 2)} | {_cell(v['copy_last_px'], 2)} |"
+        )
+    return "\n".join(lines)
 
 
 def _summarise(per_seed: list[list[dict[str, float]]], horizon: int) -> dict[str, list[float]]:

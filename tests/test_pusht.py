@@ -141,6 +141,19 @@ def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("smoke", [[], ["--smoke"]])
+def test_train_cli_passes_compile_to_the_trainer(smoke):
+    import argparse
+
+    from streamworld.cli import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    for flags, compiled in (([], False), (["--compile"], True)):
+        args = parser.parse_args(["train", "pusht", *smoke, *flags])
+        assert train_cli._configs(args)[2].compile is compiled
+
+
 def test_train_cli_trains_on_its_own_rollouts(tmp_path):
     work = tmp_path / "w"
     argv = [

@@ -191,6 +191,7 @@ def _configs(args: argparse.Namespace):
         checkpoint_every=2,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
+        compile=args.compile,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
     )
     return config, spec, train_config, "cpu"

@@ -284,17 +284,26 @@ def test_teacher_forced_error_is_split_by_what_the_block_does():
     """`chunk_motion` classes each chunk by the block's true motion, and scores a prediction
     beside copying the last true frame before the chunk: a perfect prediction errs 0, and
     that copy, given as the prediction, errs exactly as much as the copy column says."""
-    from streamworld.pusht.evaluate import MOVE_CLASSES, chunk_motion, motion_breakdown, motion_table
+    from streamworld.pusht.evaluate import (
+        MOVE_CLASSES,
+        chunk_motion,
+        frame_metrics,
+        motion_breakdown,
+        motion_table,
+    )
+
+    def motion(pred):  # pred[h - 1] predicts frame h
+        return chunk_motion(ep, [frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, 33)], 4, 32)
 
     ep = record_eval_episode(1, 32, 64)  # seed 1's block starts still, is pushed, then stops
-    exact = chunk_motion(ep, ep.frames[1:], 4, 32)
+    exact = motion(ep.frames[1:])
     assert {kind for kind, _, _ in exact} == set(MOVE_CLASSES)
     assert all(err == 0 for _, err, _ in exact)
     for kind, _, moved in exact:
         assert (moved >= 0.5) == kind.startswith("moving")
         assert moved < 4 if kind == "moving < 4 px" else True
     copy_last = np.stack([ep.frames[4 * ((i + 3) // 4) - 4] for i in range(1, 33)])  # frame i predicted
-    for (kind, err, moved), (kind_exact, _, _) in zip(chunk_motion(ep, copy_last, 4, 32), exact, strict=True):
+    for (kind, err, moved), (kind_exact, _, _) in zip(motion(copy_last), exact, strict=True):
         assert kind == kind_exact and err == pytest.approx(moved)
     summary = motion_breakdown(exact)
     assert summary["all"]["chunks"] == len(exact) == 8 and summary["all"]["model_px"] == 0

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..engine import GenerationRequest, ReferenceGenerator
+from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel
 from .policy import ScriptedPolicy
@@ -162,6 +163,16 @@ def is_t_shaped(frame: np.ndarray) -> bool:
     return fit is not None and fit[1] <= MAX_MISMATCH
 
 
+@dataclass
+class _Predictor:
+    """What one predictor (a KV mode, or teacher-forced) scored over the seeds."""
+
+    rows: list[list[dict[str, float]]] = field(default_factory=list)  # per seed, per horizon
+    seconds: float = 0.0
+    shapes: dict[int, list[bool]] = field(default_factory=dict)  # horizon -> block is a T, per seed
+    motion: list[tuple[str, float, float]] = field(default_factory=list)  # `chunk_motion` rows
+
+
 def evaluate(
     model: WorldModel,
     seeds: list[int],
@@ -181,32 +192,38 @@ def evaluate(
     fpc = cfg.frames_per_chunk
     num_chunks = math.ceil(horizon / fpc)
     generator = ReferenceGenerator(model)
-    predictors = list(kv_modes) + (["teacher-forced"] if teacher_forced else [])
-    rows: dict[str, list[list[dict[str, float]]]] = {name: [] for name in predictors}
-    baseline: list[list[dict[str, float]]] = []
-    seconds = {name: 0.0 for name in predictors}
+    names = list(kv_modes) + (["teacher-forced"] if teacher_forced else [])
     shape_horizons = [h for h in REPORT_HORIZONS if h <= horizon]
-    shapes = {name: {h: [] for h in shape_horizons} for name in predictors}
-    motion: list[tuple[str, float, float]] = []
-    bar = tqdm(
-        total=len(seeds) * len(predictors), desc="evaluating pusht", unit="rollout", disable=not progress
-    )
+    predictors = {name: _Predictor(shapes={h: [] for h in shape_horizons}) for name in names}
+    baseline: list[list[dict[str, float]]] = []
+    bar = tqdm(total=len(seeds) * len(names), desc="evaluating pusht", unit="rollout", disable=not progress)
     for seed in seeds:
         ep = record_eval_episode(seed, num_chunks * fpc, cfg.height)
         baseline.append([frame_metrics(ep.frames[0], ep.frames[h]) for h in range(1, horizon + 1)])
-        for mode in predictors:
+        for name, scored in predictors.items():
             start = time.perf_counter()
-            pred = _predict(generator, ep, mode, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
-            seconds[mode] += time.perf_counter() - start
-            rows[mode].append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
+            pred = _predict(generator, ep, name, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
+            scored.seconds += time.perf_counter() - start
+            scored.rows.append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
             for h in shape_horizons:
-                shapes[mode][h].append(is_t_shaped(pred[h - 1]))
-            if mode == "teacher-forced":
-                motion += chunk_motion(ep, pred, fpc, horizon)
+                scored.shapes[h].append(is_t_shaped(pred[h - 1]))
+            if name == "teacher-forced":
+                scored.motion += chunk_motion(ep, scored.rows[-1], fpc, horizon)
             bar.update()
     bar.close()
+    return _report(cfg, seeds, horizon, baseline, predictors, frames_made=len(seeds) * num_chunks * fpc)
 
-    frames_made = len(seeds) * num_chunks * fpc
+
+def _report(
+    cfg: ModelConfig,
+    seeds: list[int],
+    horizon: int,
+    baseline: list,
+    predictors: dict[str, _Predictor],
+    frames_made: int,
+) -> dict:
+    """`evaluate`'s report: per-horizon means, T shapes, speed, and the teacher-forced split."""
+    forced = predictors.get("teacher-forced")
     return {
         "model": cfg.id,
         "seeds": [seeds[0], seeds[-1]] if seeds == list(range(seeds[0], seeds[-1] + 1)) else seeds,
@@ -216,37 +233,38 @@ def evaluate(
         "denoising_steps": cfg.num_steps,
         "timesteps": list(cfg.denoising_steps),
         "baseline": _summarise(baseline, horizon),
-        "modes": {mode: _summarise(rows[mode], horizon) for mode in predictors},
+        "modes": {name: _summarise(p.rows, horizon) for name, p in predictors.items()},
         "block_t_shape": {
-            mode: {str(h): round(float(np.mean(v)), 4) for h, v in per_h.items()}
-            for mode, per_h in shapes.items()
+            name: {str(h): round(float(np.mean(v)), 4) for h, v in p.shapes.items()}
+            for name, p in predictors.items()
         },
-        "generation_fps": {mode: round(frames_made / seconds[mode], 1) for mode in predictors},
-        **({"teacher_forced_by_motion": motion_breakdown(motion)} if teacher_forced else {}),
+        "generation_fps": {name: round(frames_made / p.seconds, 1) for name, p in predictors.items()},
+        **({"teacher_forced_by_motion": motion_breakdown(forced.motion)} if forced is not None else {}),
     }
 
 
-def chunk_motion(ep: Episode, pred: np.ndarray, fpc: int, horizon: int) -> list[tuple[str, float, float]]:
+def chunk_motion(
+    ep: Episode, metrics: list[dict[str, float]], fpc: int, horizon: int
+) -> list[tuple[str, float, float]]:
     """For each chunk's last frame h (up to `horizon`): the class of the block's motion over
-    the chunk (`MOVE_CLASSES`), the predicted block's error, and the error of the last true
-    frame before the chunk (frame h - fpc) as a prediction; in frame pixels. Frames where
-    the block is not found in all of them are left out."""
-    start = locate(ep.frames[0]).block
+    the chunk (`MOVE_CLASSES`), the predicted block's error (`metrics[h - 1]`, the prediction's
+    `frame_metrics` per horizon), and the error of the last true frame before the chunk
+    (frame h - fpc) as a prediction; in frame pixels. Chunks where the block is not found
+    in one of those frames or in the first are left out."""
+    ends = range(fpc, horizon + 1, fpc)
+    blocks = {h: locate(ep.frames[h]).block for h in (0, *ends)}  # each true frame located once
+    start = blocks[0]
     rows = []
-    for h in range(fpc, horizon + 1, fpc):
-        true, before, guess = (
-            locate(ep.frames[h]).block,
-            locate(ep.frames[h - fpc]).block,
-            locate(pred[h - 1]).block,
-        )
-        if None in (start, true, before, guess):
+    for h in ends:
+        true, before, error = blocks[h], blocks[h - fpc], metrics[h - 1]["block_px"]
+        if None in (start, true, before) or math.isnan(error):
             continue
         moved = _distance(before, true)
         if moved >= STILL_PX:
             kind = MOVE_CLASSES[2] if moved < 4 else MOVE_CLASSES[3]
         else:
             kind = MOVE_CLASSES[0] if _distance(start, true) <= STILL_PX else MOVE_CLASSES[1]
-        rows.append((kind, _distance(guess, true), moved))
+        rows.append((kind, error, moved))
     return rows
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from streamworld.bench import write_json
 from streamworld.models.config import ModelConfig
 from streamworld.models.presets import PUSHT
 from streamworld.pusht.data import DatasetSpec
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": rows,
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(report, args.json)
     return 0
 
 

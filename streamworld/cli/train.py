@@ -105,6 +105,19 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="extra loss weight on pixels where the block is or was at the start (default 0)",
     )
+    _add_rollout_arguments(parser)
+    group.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the training forward through torch.compile: fused kernels, the same losses up to "
+        "rounding; the first step compiles (45 s on an H200). Needs Triton on a GPU, a C++ compiler "
+        "on the CPU",
+    )
+    group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+
+
+def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training on the model's own rollouts")
     group.add_argument(
         "--rollout-share",
         type=float,
@@ -139,14 +152,6 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--rollout-frames", type=int, default=32, help="frames per rollout, whole chunks (default 32)"
     )
-    group.add_argument(
-        "--compile",
-        action="store_true",
-        help="run the training forward through torch.compile: fused kernels, the same losses up to "
-        "rounding; the first step compiles (about a minute). Needs Triton on a GPU, a C++ compiler "
-        "on the CPU",
-    )
-    group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
 
 def _configs(args: argparse.Namespace):

@@ -504,10 +504,13 @@ def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):
     assert stats["eager"] < stats["replays"]
 
 
-def test_forks_under_cuda_graphs_equal_forks_run_eagerly_pusht():
+@pytest.mark.parametrize("prediction", ["x0", "delta"])
+def test_forks_under_cuda_graphs_equal_forks_run_eagerly_pusht(prediction):
     """The planner's workload on the GPU: the shipped PushT model (first frame and actions),
     two forks of 16 branches of 8 frames from one observed frame, with and without CUDA
-    graphs. Branches of one fork have one batch shape, so the second fork replays graphs."""
+    graphs. Branches of one fork have one batch shape, so the second fork replays graphs.
+    "delta": the same with a seeded random model that predicts each chunk's change since the
+    last frame before it."""
     import asyncio
 
     import numpy as np
@@ -517,7 +520,9 @@ def test_forks_under_cuda_graphs_equal_forks_run_eagerly_pusht():
     from streamworld.planning import EngineRollouts
     from streamworld.pusht.world import initial_frame
 
-    model = WorldModel.load(get_preset("pusht"), device="cuda", dtype="float32")
+    config = get_preset("pusht").with_prediction(prediction)
+    model = WorldModel.load(config, device="cuda", dtype="float32", random_weights=prediction == "delta")
+    assert model.schedule.prediction == prediction
     frame, _ = initial_frame(0, model.config.height)
     candidates = np.random.default_rng(0).uniform(0, 512, (16, 8, 2)).astype(np.float32)
 
@@ -538,7 +543,7 @@ def test_forks_under_cuda_graphs_equal_forks_run_eagerly_pusht():
 
     eager, _, _ = asyncio.run(rollouts(False))
     graphed, stats, pages_used = asyncio.run(rollouts(True))
-    print(f"\nforks under CUDA graphs, pusht float32: graphs {stats}")
+    print(f"\nforks under CUDA graphs, pusht float32 {prediction}: graphs {stats}")
     assert pages_used == 0
     assert stats["captured"] > 0 and stats["replays"] > 0 and stats["failures"] == 0
     for a, b in zip(eager, graphed, strict=True):

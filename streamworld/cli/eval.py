@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         dest="kv_modes",
         choices=arguments.KV_MODES,
-        help="KV mode to evaluate; repeat for several (default: all three). With --plan: the one KV "
+        help="KV mode to evaluate; repeat for several (default: every mode the model serves: all three, "
+        "or clean and final for a model that predicts delta). With --plan: the one KV "
         "mode of the planning streams (default: the preset's, final)",
     )
     parser.add_argument(
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--horizon must be at least 1")
     arguments.check_output_folder("--json", args.json)
     model = _load(args)
-    modes = list(dict.fromkeys(args.kv_modes or ["clean", "final", "noisy"]))
+    # By default every KV mode the model serves ("delta" models do not serve noisy).
+    modes = list(dict.fromkeys(args.kv_modes or model.config.kv_modes))
     report = evaluate(model, seeds, modes, horizon=args.horizon, teacher_forced=args.teacher_forced)
     print(markdown_table(report))
     if "teacher_forced_by_motion" in report:

@@ -100,7 +100,7 @@ def weight_paths(args: argparse.Namespace) -> WeightPaths:
 def model_depth(config: ModelConfig, args: argparse.Namespace) -> int:
     """DiT blocks of the model `args` load: the preset's, or what trained weights record
     (`streamworld train pusht --layers`)."""
-    from ..models.world_model import recorded_depth
+    from ..models.world_model import recorded_config
 
     try:
         dit = weight_paths(args).resolve().dit
@@ -108,7 +108,7 @@ def model_depth(config: ModelConfig, args: argparse.Namespace) -> int:
         return config.num_layers
     if dit is None or not Path(dit).is_file():
         return config.num_layers
-    return recorded_depth(config, dit).num_layers
+    return recorded_config(config, dit).num_layers
 
 
 def override_preset(config: ModelConfig, args: argparse.Namespace) -> ModelConfig:

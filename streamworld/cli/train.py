@@ -38,8 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", metavar="PATH", help="exported weights (default WORKDIR/pusht.safetensors)")
     parser.add_argument(
         "--prediction",
-        choices=("flow", "x0"),
-        help="what the DiT learns to output (default: the preset's, x0); the served preset must match",
+        choices=("flow", "x0", "delta"),
+        help="what the DiT learns to output (default: the preset's, x0): the flow, the clean frames, "
+        "or 'delta', their change since the last frame before each chunk (a block that stays put "
+        "is then zero; such a model serves kv modes clean and final, not noisy). Served weights "
+        "record it: x0 and delta weights load into either config, flow weights only into a flow one",
     )
     parser.add_argument(
         "--init",
@@ -162,7 +165,7 @@ def _configs(args: argparse.Namespace):
 
     config = get_preset(args.model)
     if args.prediction is not None:
-        config = dataclasses.replace(config, prediction=args.prediction)
+        config = config.with_prediction(args.prediction)
     if args.layers is not None:
         config = dataclasses.replace(config, dit={**config.dit, "num_layers": args.layers})
     spec = DatasetSpec(

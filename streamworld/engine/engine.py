@@ -535,6 +535,7 @@ class AsyncEngine:
         if unit.phase == self.num_steps - 1 and unit.stage == len(self.stages) - 1:
             chunk.denoised = True
             chunk.denoised_at = now
+            self.runner.chunk_denoised(stream.id, chunk.index)
         self._retire_if_done(stream, chunk)
 
     # --- decoding -----------------------------------------------------------------------------

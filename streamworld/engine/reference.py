@@ -179,8 +179,11 @@ class ReferenceGenerator:
         decoder = model.vae.new_decoder_state()
         text = model.text_context(req.prompt)
 
+        last = None  # the latent frame before the next chunk ("delta" predictions add it)
         if req.image is not None:
-            self._prefill_image(req.image, text, cache, decoder, kv_mode, actions)
+            last = model.image_as_last_frame(
+                self._prefill_image(req.image, text, cache, decoder, kv_mode, actions)
+            )
 
         latents, frames, chunk_frames, kv_bytes, decoder_bytes = [], [], [], [], []
         seed = req.seed
@@ -190,7 +193,8 @@ class ReferenceGenerator:
             seed = req.seed_changes.get(c, seed)
             first = offset + c * fpc
             true = None if truth is None else truth[:, c * fpc : (c + 1) * fpc]
-            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions, true)
+            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions, true, last)
+            last = (x0 if true is None else true)[:, -1:]
             cache.evict(first + fpc)
             video = self._decode(x0, decoder)
             latents.append(x0.cpu())
@@ -212,9 +216,11 @@ class ReferenceGenerator:
         kv_mode: str,
         actions: torch.Tensor | None,
         context: torch.Tensor | None = None,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Clean latents x0 [C, F, h, w] of one chunk; writes its K/V as the mode says (a
-        `clean` commit from `context` instead of x0 where given: teacher forcing)."""
+        `clean` commit from `context` instead of x0 where given: teacher forcing). `last` is
+        the latent frame before the chunk, which a "delta" output is relative to."""
         model, cfg = self.model, self.model.config
         sched = model.schedule
         fpc = cfg.latent_frames_per_chunk
@@ -235,7 +241,7 @@ class ReferenceGenerator:
         for k in range(sched.num_steps):
             x = sched.step_input(seed, chunk, k, x0, shape, model.device)
             flow = forward(x, sched.timesteps[k], step_kv_access(kv_mode, k, sched.num_steps))
-            x0 = sched.x0_from_flow(x, flow, k)
+            x0 = sched.x0_from_flow(x, flow, k, last)
         commit = commit_kv_access(kv_mode)
         if commit is not None:
             forward(x0 if context is None else context, cfg.context_timestep, commit)
@@ -249,8 +255,9 @@ class ReferenceGenerator:
         decoder: DecoderState,
         kv_mode: str,
         actions: torch.Tensor | None,
-    ) -> None:
-        """Encode the first frame, write its clean K/V (latent frame 0), warm the decoder."""
+    ) -> torch.Tensor:
+        """Encode the first frame, write its clean K/V (latent frame 0), warm the decoder;
+        returns the frame's latent [C, 1, h, w]."""
         model, cfg = self.model, self.model.config
         vae = model.vae
         pixels = image_from_uint8(image).to(model.device, model.dtype)
@@ -262,6 +269,7 @@ class ReferenceGenerator:
         timesteps = torch.full((1,), cfg.context_timestep, device=model.device)
         model.dit.forward_chunk([ChunkInput(z0, timesteps, text, view, latent_actions)])
         vae.decode_chunk(z0.unsqueeze(0).to(model.dtype), decoder)
+        return z0
 
     def _decode(self, x0: torch.Tensor, decoder: DecoderState) -> np.ndarray:
         video = self.model.vae.decode_chunk(x0.unsqueeze(0).to(self.model.dtype), decoder)

@@ -52,6 +52,9 @@ class ChunkTensors:
     latent_actions: torch.Tensor | None = None  # [F, r * action_dim] on the host, made on first use
     x_t: torch.Tensor | None = None  # current step's input latents
     x0: torch.Tensor | None = None  # latest clean estimate
+    # The latent frame before the chunk [C, 1, h, w] that a "delta" output is relative to,
+    # set when the last stage's units launch (the previous chunk is final by then).
+    last: torch.Tensor | None = None
     activation: StageActivation | None = None  # the row between stages
     # The CUDA event after which `activation` has arrived on the next stage's device
     # (stage_link.py); None when it is usable at once.
@@ -68,6 +71,8 @@ class StreamTensors:
     prompt: str | None = None  # the prompt whose encoding is wanted
     text: Any = None  # CrossKV of the last prompt encoded
     image_latent: torch.Tensor | None = None  # [C, 1, h, w]
+    # "delta" models: the last latent frame of the stream's last final chunk (None: zero).
+    last: torch.Tensor | None = None
     chunks: dict[int, ChunkTensors] = field(default_factory=dict)
 
 
@@ -163,6 +168,7 @@ class ModelRunner:
         self.overlap = overlap
         self.fault_hook = fault_hook
         self.streams: dict[int, StreamTensors] = {}
+        self.delta = model.config.prediction == "delta"
         # Per stage, CUDA graphs of its blocks for batches of up to `cuda_graphs` units
         # (graphs.py); None: every batch runs eagerly.
         placed = zip(stages, self.stage_devices, strict=True)
@@ -189,7 +195,7 @@ class ModelRunner:
         a fork of its decoder state (the parent is between chunks: no decode in flight)."""
         parent = self.streams[parent_id]
         self.streams[branch_id] = StreamTensors(
-            seed, parent.decoder.fork(), parent.prompt, parent.text, parent.image_latent
+            seed, parent.decoder.fork(), parent.prompt, parent.text, parent.image_latent, last=parent.last
         )
 
     def close_stream(self, stream_id: int) -> None:
@@ -206,7 +212,15 @@ class ModelRunner:
         tensors = ChunkTensors(state.text, chunk.actions, chunk.action_offset)
         if chunk.denoised:
             tensors.x0 = state.image_latent
+            if self.delta:
+                state.last = self.model.image_as_last_frame(state.image_latent)
         state.chunks[chunk.index] = tensors
+
+    def chunk_denoised(self, stream_id: int, index: int) -> None:
+        """The chunk's x0 is final: a "delta" model's next chunk is relative to its last frame."""
+        if self.delta:
+            state = self.streams[stream_id]
+            state.last = state.chunks[index].x0[:, -1:]
 
     def drop_chunk(self, stream_id: int, index: int) -> None:
         state = self.streams.get(stream_id)
@@ -221,7 +235,10 @@ class ModelRunner:
             self.cache, stage, read, writes, cfg.tokens_per_frame, first, min(cfg.sink_frames, first)
         )
         state = self.streams[unit.stream]
-        return Work(unit, state.seed, first, chunk.num_frames, state.chunks[chunk.index], view)
+        tensors = state.chunks[chunk.index]
+        if unit.stage == len(self.stages) - 1:  # where x0 is made from the output
+            tensors.last = state.last
+        return Work(unit, state.seed, first, chunk.num_frames, tensors, view)
 
     def decode_job(self, picked: list[tuple[int, int]]) -> DecodeJob:
         """(stream id, chunk index) pairs -> what their decode needs."""
@@ -359,7 +376,10 @@ class ModelRunner:
         flow = self.model.dit.head(act)
         out = []
         for i, w in enumerate(works):
-            x0 = sched.x0_from_flow(x_ts[i], flow[i], w.unit.phase) if w.unit.phase >= 0 else w.chunk.x0
+            x0 = w.chunk.x0
+            if w.unit.phase >= 0:
+                last = None if w.chunk.last is None else w.chunk.last.to(flow.device)
+                x0 = sched.x0_from_flow(x_ts[i], flow[i], w.unit.phase, last)
             ok = self.overlap or bool(torch.isfinite(x0).all())
             out.append((ok, None if ok else "non-finite values in the model output", x_ts[i], x0, None, None))
         return out

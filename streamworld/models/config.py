@@ -8,7 +8,7 @@ inputs. Presets (`streamworld.models.presets`) are instances of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 KV_MODES = ("clean", "final", "noisy")
@@ -36,7 +36,8 @@ class ModelConfig:
     timestep_shift: float = 5.0
     # Map the step list through the shifted flow-matching grid (Self-Forcing's warp).
     warp_denoising_steps: bool = True
-    # What the DiT predicts: "flow" (v = noise - x0) or "x0".
+    # What the DiT predicts: "flow" (v = noise - x0), "x0", or "delta" (x0's change since the
+    # last latent frame before the chunk; `with_prediction` gives a config that predicts it).
     prediction: str = "flow"
     # Timestep of the commit pass that writes clean K/V (CausVid's `context_noise`).
     context_timestep: float = 0.0
@@ -76,11 +77,26 @@ class ModelConfig:
             raise ValueError(f"{self.id}: anchored latents need pixel space and a first image")
         if self.spatial_actions and self.action_dim != 2:
             raise ValueError(f"{self.id}: spatial actions are (x, y) positions, so action_dim must be 2")
+        if self.prediction == "delta" and "noisy" in self.kv_modes:
+            raise ValueError(
+                f"{self.id}: a model that predicts 'delta' cannot serve kv_mode 'noisy' (a chunk "
+                "starts before the frame it is relative to is final); use with_prediction('delta')"
+            )
         if self.window_frames < self.latent_frames_per_chunk:
             raise ValueError(f"{self.id}: window_frames must hold at least one chunk")
         _, ph, pw = self.patch_size
         if self.latent_height % ph or self.latent_width % pw:
             raise ValueError(f"{self.id}: latent size must be a multiple of the patch size {self.patch_size}")
+
+    def with_prediction(self, prediction: str) -> ModelConfig:
+        """This config predicting `prediction`. "delta" drops the `noisy` KV mode: in its
+        diagonal pipeline a chunk's first steps run before the previous chunk's last frame,
+        the one its output is relative to, is final."""
+        if prediction != "delta":
+            return replace(self, prediction=prediction)
+        modes = tuple(m for m in self.kv_modes if m != "noisy")
+        default = self.default_kv_mode if self.default_kv_mode in modes else modes[0]
+        return replace(self, prediction=prediction, kv_modes=modes, default_kv_mode=default)
 
     # --- geometry -------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Few-step flow-matching schedule of CausVid / Self-Forcing.
 
 Timesteps live on the 0..1000 scale the DiT was trained with; sigma = t / 1000. The model
-predicts the flow v, so the clean estimate is x0 = x_t - sigma * v, and the next step
+predicts the flow v, so the clean estimate is x0 = x_t - sigma * v (or x0 itself, or x0's
+change since the last latent frame before the chunk: `PREDICTIONS`), and the next step
 re-noises it: x_t' = (1 - sigma') * x0 + sigma' * noise.
 
 Noise is a pure function of (seed, chunk, step, shape), never of the order in which work
@@ -26,14 +27,18 @@ def shift_sigma(sigma: float, shift: float) -> float:
     return shift * sigma / (1.0 + (shift - 1.0) * sigma)
 
 
-PREDICTIONS = ("flow", "x0")
+# What a DiT may output: the flow v = noise - x0; the clean sample x0; or "delta", x0's change
+# since the last latent frame before the chunk (x0 = last + output), so that a chunk where
+# nothing moves is the all-zero output wherever the scene stood before it.
+PREDICTIONS = ("flow", "x0", "delta")
 
 
 @dataclass(frozen=True)
 class FlowSchedule:
     timesteps: tuple[float, ...]
-    # What the DiT outputs: the flow v (Wan, CausVid, Self-Forcing) or the clean sample x0
-    # (better for pixel-space models with large patches, whose flow is mostly noise).
+    # What the DiT outputs: the flow v (Wan, CausVid, Self-Forcing), the clean sample x0
+    # (better for pixel-space models with large patches, whose flow is mostly noise), or
+    # x0's change since the last frame before the chunk ("delta").
     prediction: str = "flow"
 
     @classmethod
@@ -64,10 +69,15 @@ class FlowSchedule:
     def sigma(t: float) -> float:
         return t / NUM_TRAIN_TIMESTEPS
 
-    def x0_from_flow(self, x_t: torch.Tensor, flow: torch.Tensor, step: int) -> torch.Tensor:
-        """The clean estimate from the DiT's output at `step` (a flow, or x0 itself)."""
+    def x0_from_flow(
+        self, x_t: torch.Tensor, flow: torch.Tensor, step: int, last: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The clean estimate from the DiT's output at `step` (a flow, x0 itself, or x0's
+        change since `last`, the latent frame [C, 1, h, w] before the chunk: None is zero)."""
         if self.prediction == "x0":
             return flow
+        if self.prediction == "delta":
+            return flow if last is None else flow + last
         return x_t - self.sigma(self.timesteps[step]) * flow
 
     def renoise(self, x0: torch.Tensor, noise: torch.Tensor, step: int) -> torch.Tensor:

@@ -133,7 +133,7 @@ class WorldModel:
         weights = (weights or WeightPaths()).resolve()
         dev = device if isinstance(device, torch.device) else resolve_device(device)
         if weights.dit is not None:
-            config = recorded_depth(config, weights.dit)
+            config = recorded_config(config, weights.dit)
         dt = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, dev)
         if config.requires_weights and not random_weights:
             missing = [
@@ -270,6 +270,12 @@ class WorldModel:
         with self._text_lock:
             return len(self._text_cache), self._text_cache.nbytes
 
+    def image_as_last_frame(self, image_latent: torch.Tensor) -> torch.Tensor:
+        """The first image's latent [C, 1, h, w] as the frame that the first chunk's "delta"
+        output is relative to: anchored pixel latents are differences from the image, so there
+        it is zero."""
+        return torch.zeros_like(image_latent) if self.config.anchored_pixels else image_latent
+
     def latent_shape(self, num_frames: int) -> tuple[int, int, int, int]:
         c = self.config
         return (c.latent_channels, num_frames, c.latent_height, c.latent_width)
@@ -316,13 +322,19 @@ def _training_record(path: str) -> dict[str, str]:
         return f.metadata() or {}
 
 
-def recorded_depth(config: ModelConfig, path: str) -> ModelConfig:
-    """`config` with the number of DiT blocks that weights exported by `streamworld train`
-    record (`train pusht --layers` trains deeper models than the preset)."""
-    layers = _training_record(path).get("num_layers")
-    if layers is None or int(layers) == config.dit["num_layers"]:
-        return config
-    return dataclasses.replace(config, dit={**config.dit, "num_layers": int(layers)})
+def recorded_config(config: ModelConfig, path: str) -> ModelConfig:
+    """`config` as weights exported by `streamworld train` record it: their number of DiT
+    blocks (`train pusht --layers` trains deeper models than the preset) and, between the two
+    clean-sample outputs "x0" and "delta" (`train pusht --prediction delta`), their output."""
+    meta = _training_record(path)
+    layers = meta.get("num_layers")
+    if layers is not None and int(layers) != config.dit["num_layers"]:
+        config = dataclasses.replace(config, dit={**config.dit, "num_layers": int(layers)})
+    clean_sample = ("x0", "delta")
+    recorded = meta.get("prediction")
+    if recorded != config.prediction and recorded in clean_sample and config.prediction in clean_sample:
+        config = config.with_prediction(recorded)
+    return config
 
 
 def _check_training_record(config: ModelConfig, path: str) -> None:

@@ -405,13 +405,36 @@ def grow_blocks(own: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) ->
     return grown
 
 
+def training_target(
+    config: ModelConfig, x0: torch.Tensor, noise: torch.Tensor, sink: torch.Tensor, context: torch.Tensor
+) -> torch.Tensor:
+    """What the DiT should output for a clip's latents x0 [B, C, L, H, W] (L whole chunks
+    after the first frame's latent `sink`): the flow, x0, or for "delta" x0's change since
+    the last frame before each chunk. That frame is taken from the chunk's context (the true
+    latents, or the model's own for rollout samples), as serving takes the model's own."""
+    if config.prediction == "flow":
+        return noise - x0
+    if config.prediction == "x0":
+        return x0
+    n, chunk = x0.shape[2], config.latent_frames_per_chunk
+    first = torch.zeros_like(sink) if config.anchored_pixels else sink  # WorldModel.image_as_last_frame
+    last = torch.cat([first, context[:, :, chunk - 1 : n - 1 : chunk]], 2)
+    return x0 - last.repeat_interleave(chunk, 2)
+
+
 def _load_init(model: WorldModel, init: str | Path) -> None:
     """Fine-tuning: start from exported weights (ignored when resuming a checkpoint). Weights
     with fewer blocks than the model are grown into it (`grow_blocks`)."""
     from ..models.checkpoint import load_dit_state_dict, load_into
-    from ..models.world_model import _check_training_record, _prefix_transformer
+    from ..models.world_model import _check_training_record, _prefix_transformer, recorded_config
 
-    _check_training_record(model.config, str(init))  # same prediction and latents
+    # Same latents, and the same prediction but for x0 <-> delta (the same network, whose
+    # output learns to leave out the last frame).
+    recorded = recorded_config(model.config, str(init)).prediction
+    if recorded != model.config.prediction:
+        wanted = model.config.prediction
+        print(f"note: {init} was trained to predict {recorded!r}; fine-tuned to predict {wanted!r}")
+    _check_training_record(model.config.with_prediction(recorded), str(init))
     state = _prefix_transformer(load_dit_state_dict(str(init)))
     own = model.dit.state_dict()
     if _add_new_spatial_actions(own, state):
@@ -601,7 +624,7 @@ class Trainer:
                 max_position=self.batcher.max_position,
             )
         pred = flow[:, :, 1 + n :].float()
-        target = x0 if self.mcfg.prediction == "x0" else noise - x0
+        target = training_target(self.mcfg, x0, noise, sink, x0_ctx)
         err = self._weighted_error(pred, target, frames)  # [B, L]
         mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
         loss = (err * mask).sum() / mask.sum().clamp_min(1.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -149,7 +150,8 @@ def test_the_training_target_added_to_the_served_last_frame_gives_the_clip():
 
 
 def test_train_fine_tunes_x0_weights_to_delta_and_serving_adopts_what_they_record(tmp_path, capsys):
-    """`train pusht --prediction delta --init X0_WEIGHTS` starts from the x0 model; its export
+    """`train pusht --prediction delta --init X0_WEIGHTS` starts from the x0 model and trains
+    the exact KV modes' contexts only; its export
     records "delta", which loading into the (x0) preset adopts, dropping the noisy mode; flow
     weights stay refused."""
     from streamworld.cli import main as cli_main
@@ -159,9 +161,12 @@ def test_train_fine_tunes_x0_weights_to_delta_and_serving_adopts_what_they_recor
     smoke = ["train", "pusht", "--smoke", "--total-steps", "1"]
     assert cli_main([*smoke, "--workdir", str(x0_dir)]) == 0
     x0_weights = str(x0_dir / "pusht.safetensors")
-    args = [*smoke, "--workdir", str(delta_dir), "--prediction", "delta", "--init", x0_weights]
-    assert cli_main(args) == 0
+    args = ["train", "pusht", "--smoke", "--total-steps", "4", "--workdir", str(delta_dir)]
+    assert cli_main([*args, "--prediction", "delta", "--init", x0_weights]) == 0
     assert "trained to predict 'x0'; fine-tuned to predict 'delta'" in capsys.readouterr().out
+    # No sample trains the noisy context, which the model will not serve.
+    history = json.loads((delta_dir / "train_summary.json").read_text())["history"]
+    assert history and all("loss_noisy" not in h and h["loss"] > 0 for h in history)
     preset = smoke_config(PUSHT)
     served = WorldModel.load(preset, WeightPaths(dit=str(delta_dir / "pusht.safetensors")))
     assert served.config.prediction == "delta" and served.schedule.prediction == "delta"

@@ -583,7 +583,7 @@ class Trainer:
         chunks = n // chunk
         latents0 = frames_to_latents(frames, self.mcfg.anchored_pixels)
         sink, x0 = latents0[:, :, :1], latents0[:, :, 1:]
-        weights = torch.tensor(self.cfg.regime_weights, device=dev)
+        weights = torch.tensor(served_regimes(self.cfg.regime_weights, self.mcfg), device=dev)
         regime = torch.multinomial(weights, b, replacement=True, generator=g)  # 0 clean, 1 final, 2 noisy
         own = batch.get("own_mask", torch.zeros(b, dtype=torch.bool, device=dev))
         regime = torch.where(own, torch.ones_like(regime), regime)  # own context: as `final` keeps it
@@ -736,6 +736,12 @@ class Trainer:
             "rollout_chunks_with_target": round(r.chunks_with_target / r.chunks_simulated, 3),
             "rollout_batches_without": r.skipped,
         }
+
+
+def served_regimes(weights: tuple[float, float, float], config: ModelConfig) -> tuple[float, float, float]:
+    """The context regimes' (clean, final, noisy) sampling weights for a model: without the
+    noisy context when the model does not serve `noisy` mode (models that predict "delta")."""
+    return weights if "noisy" in config.kv_modes else (weights[0], weights[1], 0.0)
 
 
 def _regime_losses(per_sample: torch.Tensor, regime: torch.Tensor, own: torch.Tensor) -> dict[str, float]:

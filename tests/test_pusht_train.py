@@ -18,9 +18,9 @@ def model() -> WorldModel:
     return WorldModel.load(smoke_config(PUSHT), random_weights=True)
 
 
-def _sample(cfg, seed: int):
+def _sample(cfg, seed: int, chunks: int | None = None):
     g = torch.Generator().manual_seed(seed)
-    n = clip_length(cfg)
+    n = clip_length(cfg, chunks)
     shape = (3, n, cfg.height, cfg.width)
     return (
         torch.rand((3, 1, cfg.height, cfg.width), generator=g) * 2 - 1,  # sink
@@ -30,14 +30,18 @@ def _sample(cfg, seed: int):
     )
 
 
+@pytest.mark.parametrize("chunks", [None, 5])
 @pytest.mark.parametrize("regime", ["clean", "noisy"])
-def test_training_layout_equals_cached_forward(model: WorldModel, regime: str) -> None:
+def test_training_layout_equals_cached_forward(model: WorldModel, regime: str, chunks: int | None) -> None:
+    """Every chunk of a training clip gets what the cached forward computes: by default up to
+    the first chunk whose window is full; with 5 chunks also the two after it, for which the
+    cached forward moves the sink up to the window (by 4 and 8 frames)."""
     cfg, dit = model.config, model.dit
-    chunk, n = cfg.latent_frames_per_chunk, clip_length(cfg)
+    chunk, n = cfg.latent_frames_per_chunk, clip_length(cfg, chunks)
     assert n > cfg.window_frames, "the clip must reach a full window, where frames start leaving it"
-    sink, x0, noise, actions = _sample(cfg, 0)
+    sink, x0, noise, actions = _sample(cfg, 0, chunks)
     sigma = (
-        torch.tensor([0.9, 0.5, 0.3]).repeat_interleave(chunk)[:n]
+        torch.tensor([0.9, 0.5, 0.3, 0.7, 0.2]).repeat_interleave(chunk)[:n]
         if regime == "clean"
         else torch.full((n,), 0.6)
     )
@@ -46,12 +50,14 @@ def test_training_layout_equals_cached_forward(model: WorldModel, regime: str) -
     text = model.text_context("")
 
     # Training layout: one forward over [sink | context copy | clip].
-    positions, mask = clip_layout(cfg)
-    latents = torch.cat([sink, ctx, x_t], 1)[None]
-    timesteps = torch.cat([torch.zeros(1), ctx_t * 1000, sigma * 1000])[None]
-    acts = torch.cat([torch.zeros(1, 2), actions, actions])[None]
+    positions, mask = clip_layout(cfg, chunks=chunks)
+    s = len(positions) - 2 * n  # copies of the sink, one per place the cached forward puts it
+    assert s == (1 if chunks is None else 3)
+    latents = torch.cat([sink.expand(-1, s, -1, -1), ctx, x_t], 1)[None]
+    timesteps = torch.cat([torch.zeros(s), ctx_t * 1000, sigma * 1000])[None]
+    acts = torch.cat([torch.zeros(s, 2), actions, actions])[None]
     with torch.no_grad():
-        trained = dit.forward_masked(latents, timesteps, text, positions, mask, acts)[0, :, 1 + n :]
+        trained = dit.forward_masked(latents, timesteps, text, positions, mask, acts)[0, :, s + n :]
 
     # Serving: prefill the sink, then chunk by chunk through a K/V cache with eviction.
     cache = ContiguousKVCache(1, cfg.num_layers, cfg.tokens_per_frame, cfg.sink_frames, cfg.window_frames)
@@ -320,3 +326,39 @@ def test_compiled_training_steps_equal_the_eager_ones(small_data, tmp_path, devi
         torch.testing.assert_close(compiled.ema[key], value, rtol=tol, atol=tol, msg=key)
     moved = max((eager.ema[k] - v).abs().max().item() for k, v in trainer("fresh", False).ema.items())
     assert moved > 0, "the steps changed no weight"
+
+
+@pytest.mark.parametrize("chunks", [None, 5])
+def test_clips_start_from_the_episode_start_or_as_streams_of_their_own(tmp_path, chunks):
+    """Default clips keep the episode's first frame as their sink and train only the last
+    chunk of a clip that starts late; stream clips (`chunks` given) start from the frame
+    before them and train every chunk."""
+    from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset
+    from streamworld.pusht.train import ClipBatcher
+
+    generate_dataset(DatasetSpec(episodes=2, steps=30, size=64, seed=3), tmp_path, workers=1, progress=False)
+    data = Dataset.load(tmp_path)
+    cfg = smoke_config(PUSHT)
+    batcher = ClipBatcher(data, cfg, torch.device("cpu"), torch.Generator().manual_seed(0), 0.3, chunks)
+    n = clip_length(cfg, chunks)
+    assert batcher.clip == n and batcher.stream_clips == (chunks is not None)
+    batch = batcher.sample(16)
+    video = (
+        torch.from_numpy(np.array(data.frames)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1
+    )  # [E, 3, T+1, S, S]
+    late = 0
+    for frames, trained in zip(batch["frames"], batch["loss_chunks"], strict=True):
+        ((e, start),) = [
+            (e, t)
+            for e in range(2)
+            for t in range(1, 31 - n + 1)
+            if torch.equal(frames[:, 1:], video[e, :, t : t + n])
+        ]
+        sink_frame = start - 1 if chunks is not None else 0
+        assert torch.equal(frames[:, 0], video[e, :, sink_frame])
+        if chunks is not None or start == 1:
+            assert trained.all()
+        else:
+            assert trained.tolist() == [False] * (n // cfg.latent_frames_per_chunk - 1) + [True]
+        late += start > 1
+    assert late > 0

@@ -108,6 +108,17 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="extra loss weight on pixels where the block is or was at the start (default 0)",
     )
+    group.add_argument(
+        "--clip-chunks",
+        type=int,
+        metavar="K",
+        help="chunks per training clip. Default: the attention window's chunks and one more (3), with "
+        "the episode's first frame as the sink, so that only the last chunk of a clip that starts late "
+        "is trained. Given, every clip is a stream of its own from the frame before it and every "
+        "chunk is trained exactly as served; K above 3 reaches the chunks after the window is full, "
+        "where the served sink moves up to the window (each step then costs more: longer clips). "
+        "Not with --rollout-share",
+    )
     _add_rollout_arguments(parser)
     group.add_argument(
         "--compile",
@@ -183,6 +194,7 @@ def _configs(args: argparse.Namespace):
         change_weight=args.change_weight,
         block_weight=args.block_weight,
         compile=args.compile,
+        clip_chunks=args.clip_chunks,
         **_rollout_options(args),
     )
     if not args.smoke:
@@ -200,6 +212,7 @@ def _configs(args: argparse.Namespace):
         change_weight=args.change_weight,
         block_weight=args.block_weight,
         compile=args.compile,
+        clip_chunks=args.clip_chunks,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
     )
     return config, spec, train_config, "cpu"
@@ -237,6 +250,12 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
     if args.layers is not None and args.layers < 1:
         raise UsageError("--layers must be at least 1")
+    if args.clip_chunks is not None and args.clip_chunks < 1:
+        raise UsageError("--clip-chunks must be at least 1")
+    if args.clip_chunks is not None and args.rollout_share > 0:
+        raise UsageError(
+            "--clip-chunks cannot be combined with --rollout-share (rollout samples are default clips)"
+        )
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
     if workdir.exists() and not workdir.is_dir():

@@ -103,37 +103,64 @@ class TrainConfig:
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding.
     compile: bool = False
+    # Chunks per training clip; None: the window's chunks and one more, the sink being the
+    # episode's first frame. Given, every clip is trained as a stream of its own from the
+    # frame before it (`ClipBatcher`), so longer clips train, exactly as served, the chunks
+    # after the window is full, where the cached forward moves the sink (`clip_layout`).
+    clip_chunks: int | None = None
     seed: int = 0
     checkpoint_every: int = 500
     log_every: int = 100
 
 
-def clip_length(config: ModelConfig) -> int:
-    """Frames in a training clip: whole chunks covering the window, plus one chunk (whose window is full)."""
+def clip_length(config: ModelConfig, chunks: int | None = None) -> int:
+    """Frames in a training clip: `chunks` chunks, by default whole chunks covering the window
+    plus one chunk (whose window is full)."""
     chunk = config.latent_frames_per_chunk
-    return (-(-config.window_frames // chunk) + 1) * chunk
+    return (chunks or -(-config.window_frames // chunk) + 1) * chunk
 
 
-def clip_layout(config: ModelConfig, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Temporal positions [1 + 2L] and frame mask [1 + 2L, 1 + 2L] of [sink | context copy | clip].
+def sink_gaps(config: ModelConfig, chunks: int) -> list[int]:
+    """How far the cached forward moves the sink up for each of a stream's first `chunks`
+    chunks (`CausalWanDiT.plan_blocks`): 0 until the window is full, then the frames
+    between the sink and the window, so that the sink sits right before the window."""
+    gaps = []
+    for c in range(chunks):
+        first = 1 + c * config.latent_frames_per_chunk
+        gaps.append(first - len(context_frame_indices(first, config.sink_frames, config.window_frames)))
+    return gaps
 
-    Chunk c of either copy sees what the cached forward shows its first frame: the sink and
-    the window's frames (from the context copy), plus its own chunk.
+
+def clip_layout(
+    config: ModelConfig, device: torch.device | str = "cpu", chunks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temporal positions [S + 2L] and frame mask [S + 2L, S + 2L] of
+    [sink copies | context copy | clip], for a clip of `chunks` chunks (`clip_length`).
+
+    Chunk c of either copy sees what the cached forward shows its first frame: the sink, at
+    the position the cached forward moves it to, and the window's frames (from the context
+    copy), plus its own chunk. There is one copy of the sink per distinct move (S of them, 1
+    for clips that end before the window is first exceeded); each sees only itself, as the
+    first image's prefill does, so all have the sink's features, at their own position.
     """
-    n, chunk = clip_length(config), config.latent_frames_per_chunk
-    total = 1 + 2 * n
+    if config.sink_frames != 1:
+        raise ValueError("the training layout assumes one sink frame (the first image)")
+    n, chunk = clip_length(config, chunks), config.latent_frames_per_chunk
+    gaps = sink_gaps(config, n // chunk)
+    moves = sorted(set(gaps))
+    s = len(moves)
+    total = s + 2 * n
     mask = torch.zeros(total, total, dtype=torch.bool)
-    mask[0, 0] = True
-    for c in range(n // chunk):
+    mask[range(s), range(s)] = True
+    for c, gap in enumerate(gaps):
         first = 1 + c * chunk
-        own = list(range(first, first + chunk))
-        context = context_frame_indices(first, config.sink_frames, config.window_frames)
+        own = [s - 1 + f for f in range(first, first + chunk)]
+        window = [s - 1 + f for f in context_frame_indices(first, 1, config.window_frames) if f]
         for q in own:
-            mask[q, context] = True
-            mask[q, own] = True
-            mask[q + n, context] = True
+            mask[q, [moves.index(gap), *window, *own]] = True
+            mask[q + n, [moves.index(gap), *window]] = True
             mask[q + n, [o + n for o in own]] = True
-    positions = torch.cat([torch.arange(n + 1), torch.arange(1, n + 1)])
+    positions = torch.cat([torch.tensor(moves), torch.arange(1, n + 1), torch.arange(1, n + 1)])
     return positions.to(device), mask.to(device)
 
 
@@ -147,7 +174,10 @@ class ClipBatcher:
         device: torch.device,
         generator: torch.Generator,
         start_share: float,
+        chunks: int | None = None,
     ) -> None:
+        """`chunks`: chunks per clip (default: the window's and one more); given, every clip is
+        a stream of its own (`stream_clips`)."""
         if data.spec.size != config.height or config.height != config.width:
             raise ValueError(
                 f"data set frames are {data.spec.size}px; model {config.id} needs {config.height}px"
@@ -156,8 +186,16 @@ class ClipBatcher:
         self.window = config.window_frames
         if config.sink_frames != 1:
             raise ValueError("the PushT recipe assumes one sink frame (the first image)")
-        self.positions, self.frame_mask = clip_layout(config, device)
-        self.clip = (len(self.positions) - 1) // 2
+        self.positions, self.frame_mask = clip_layout(config, device, chunks)
+        self.clip = clip_length(config, chunks)
+        self.sinks = len(self.positions) - 2 * self.clip  # copies of the sink (clip_layout)
+        # Default clips keep the episode's first frame as their sink, so that a clip that
+        # starts late has an old sink, as a long stream has; but its first chunks are then
+        # context without their own past, so only its last chunk, whose window is full, is
+        # trained. Stream clips instead start from the frame before the clip, as a stream
+        # started there would: every chunk has exactly its served context and is trained, and
+        # clips longer than the window reach the chunks where the sink has moved.
+        self.stream_clips = chunks is not None
         self.max_position = int(self.positions.max())
         self.num_chunks = self.clip // self.chunk
         if data.spec.steps < self.clip + 1:
@@ -182,10 +220,10 @@ class ClipBatcher:
         start = torch.where(at_start, torch.ones_like(late), late)
         index = start[:, None] + torch.arange(n, device=dev)  # video frames of the clip
         clip = self.frames[episodes[:, None], index]  # [B, L, S, S, 3]
-        sink = self.frames[episodes, 0][:, None]
+        sink = self.frames[episodes, start - 1 if self.stream_clips else 0][:, None]
         frames = frames_from_uint8(torch.cat([sink, clip], 1))  # [B, 3, 1+L, S, S]
         actions = self.actions[episodes[:, None], index - 1]  # action that produced each clip frame
-        loss_chunks = at_start[:, None] | self.full_window[None, :]  # [B, chunks]
+        loss_chunks = at_start[:, None] | self.full_window[None, :] | self.stream_clips  # [B, chunks]
         return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
 
 
@@ -484,7 +522,9 @@ class Trainer:
         )
         self.step = 0
         self.gen = torch.Generator(device=self.device).manual_seed(train_config.seed)
-        self.batcher = ClipBatcher(data, model_config, self.device, self.gen, train_config.start_share)
+        self.batcher = ClipBatcher(
+            data, model_config, self.device, self.gen, train_config.start_share, train_config.clip_chunks
+        )
         self.rollouts = self._rollout_context()
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
@@ -499,6 +539,8 @@ class Trainer:
             raise ValueError(f"rollout_share must be in [0, 1], got {cfg.rollout_share}")
         if cfg.rollout_share == 0:
             return None
+        if self.batcher.stream_clips:
+            raise ValueError("rollout samples are drawn as default clips: leave clip_chunks unset with them")
         return RolloutContext(
             self.model,
             self.batcher,
@@ -608,9 +650,10 @@ class Trainer:
             torch.zeros_like(sigma_f),
             torch.where((regime == 1)[:, None], last.expand_as(sigma_f), sigma_f),
         )
-        latents = torch.cat([sink, ctx, x_t], 2)
-        timesteps = torch.cat([torch.zeros(b, 1, device=dev), ctx_sigma, sigma_f], 1) * 1000.0
-        zero = torch.zeros(b, 1, actions.shape[-1], device=dev)
+        sinks = self.batcher.sinks
+        latents = torch.cat([sink.expand(-1, -1, sinks, -1, -1), ctx, x_t], 2)
+        timesteps = torch.cat([torch.zeros(b, sinks, device=dev), ctx_sigma, sigma_f], 1) * 1000.0
+        zero = torch.zeros(b, sinks, actions.shape[-1], device=dev)
         latent_actions = torch.cat([zero, actions, actions], 1)
         text = self.dit.prepare_text(self.text_zeros)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
@@ -623,7 +666,7 @@ class Trainer:
                 latent_actions,
                 max_position=self.batcher.max_position,
             )
-        pred = flow[:, :, 1 + n :].float()
+        pred = flow[:, :, sinks + n :].float()
         target = training_target(self.mcfg, x0, noise, sink, x0_ctx)
         err = self._weighted_error(pred, target, frames)  # [B, L]
         mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()

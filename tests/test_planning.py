@@ -177,6 +177,7 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert report["summary"]["episodes"] == 2 and report["execute"] == 4 and report["cost_frames"] == "last"
     assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out
     assert report["kv_mode"] == "final" and report["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
+    assert report["weights"] == "shipped" and report["prediction"] == "x0"
     # One denoising step, clean K/V: the planning streams run what the flags say.
     assert (
         main(

@@ -329,7 +329,27 @@ def test_eval_cli_writes_json(tmp_path, capsys):
     assert code == 0
     report = json.loads(out.read_text())
     assert report["num_seeds"] == 2 and list(report["modes"]) == ["final"]
+    assert report["weights"] == "shipped" and report["prediction"] == "x0"
     assert "| model, final |" in capsys.readouterr().out
+
+
+def test_eval_cli_records_the_weights_and_evaluates_the_modes_they_serve(tmp_path):
+    """Weights that record "delta" (here the shipped tensors relabelled) are evaluated as a
+    delta model, by default in the two KV modes it serves; the report names them."""
+    import safetensors.torch
+
+    shipped = builtin_weights_path(get_preset("pusht"))
+    with safetensors.safe_open(str(shipped), "pt") as f:
+        meta = {**(f.metadata() or {}), "prediction": "delta"}
+    tensors = safetensors.torch.load_file(str(shipped))
+    delta = tmp_path / "delta.safetensors"
+    safetensors.torch.save_file(tensors, str(delta), metadata=meta)
+    out = tmp_path / "eval.json"
+    argv = ["eval", "pusht", "--seeds", "0", "--horizon", "4", "--dit", str(delta), "--json", str(out)]
+    assert cli_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["weights"] == "delta.safetensors" and report["prediction"] == "delta"
+    assert list(report["modes"]) == ["clean", "final"]
 
 
 def test_eval_cli_takes_other_denoising_steps(tmp_path, capsys):

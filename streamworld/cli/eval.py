@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     # By default every KV mode the model serves ("delta" models do not serve noisy).
     modes = list(dict.fromkeys(args.kv_modes or model.config.kv_modes))
     report = evaluate(model, seeds, modes, horizon=args.horizon, teacher_forced=args.teacher_forced)
+    report = {"model": report["model"], **_weights_record(args, model), **report}
     print(markdown_table(report))
     if "teacher_forced_by_motion" in report:
         print()
@@ -131,6 +132,12 @@ def _load(args: argparse.Namespace):
     if args.plan and args.kv_modes:  # the planning streams' KV mode
         config = dataclasses.replace(config, default_kv_mode=args.kv_modes[0])
     return loading.load_world_model(config, WeightPaths(dit=args.dit), options)
+
+
+def _weights_record(args: argparse.Namespace, model) -> dict:
+    """Which weights a report is about: the --dit file's name or the shipped ones, and what
+    they predict (x0, or delta: `train pusht --prediction`)."""
+    return {"weights": Path(args.dit).name if args.dit else "shipped", "prediction": model.config.prediction}
 
 
 def _write(args: argparse.Namespace, report: dict) -> None:
@@ -212,6 +219,7 @@ async def _rollouts(args: argparse.Namespace, config):
         yield (
             {
                 "model": model.config.id,
+                **_weights_record(args, model),
                 "rollouts": "model",
                 "device": str(model.device),
                 "kv_mode": model.config.default_kv_mode,

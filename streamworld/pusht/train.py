@@ -28,7 +28,13 @@ itself. What the context copy holds decides which KV mode a sample trains for:
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
 only the last chunk, whose window is full, is trained: it stands for the steady state where
-the sink is an old frame).
+the sink is an old frame). That stand-in is not exact: its context's first chunks never saw
+their own past, which a served stream's did. With `clip_chunks`, every clip is instead a
+stream of its own, from the frame before it, and every chunk is trained exactly as served;
+clips longer than the window reach the steady state itself, where the cached forward moves
+the sink up to the window, and the layout holds one copy of the sink per such move:
+
+    [ sink at 0 | sink at 4 | sink at 8 | context copy | the clip being denoised ]
 
 Runs are bounded in wall time (`minutes`) and resume from `checkpoint.pt` in the work
 folder, so a long schedule spans several short runs; the learning-rate schedule follows the

@@ -2,8 +2,9 @@
 holds between units.
 
 The event loop (engine.py) decides what runs and keeps only metadata (stream.py); the
-runner holds, per stream, the prompt's K/V, the first image's latent and the causal
-decoder state, and per chunk its inputs and intermediate results (the current step's
+runner holds, per stream, the prompt's K/V, the first image's latent, the causal
+decoder state and, for a model that predicts "delta", the last latent frame of its last
+final chunk, and per chunk its inputs and intermediate results (the current step's
 latents, the clean estimate, the activation between stages). The methods marked
 *executor* run on an executor thread; the others only move references on the loop and
 start no tensor work. Whatever a stream held is dropped when it ends.

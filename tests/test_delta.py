@@ -175,3 +175,26 @@ def test_train_fine_tunes_x0_weights_to_delta_and_serving_adopts_what_they_recor
     assert back.config.prediction == "x0"
     with pytest.raises(ValueError, match="trained to predict 'delta'"):
         WorldModel.load(preset.with_prediction("flow"), WeightPaths(dit=str(delta_dir / "pusht.safetensors")))
+
+
+async def test_a_served_delta_model_lists_and_keeps_to_its_kv_modes():
+    """Over the wire: /v1/models lists clean and final only, a session that asks for noisy is
+    refused as unsupported, and a final-mode session streams the reference's frames."""
+    import aiohttp
+
+    from tests.test_server import _frames, raw_session, start_server
+
+    model = WorldModel.load(tiny_config().with_prediction("delta"))
+    _, running = await start_server({"tiny-wan": model})
+    try:
+        url, http = f"ws://127.0.0.1:{running.port}/v1/stream", f"http://127.0.0.1:{running.port}"
+        async with aiohttp.ClientSession() as s, s.get(f"{http}/v1/models") as r:
+            (entry,) = (await r.json())["models"]
+        assert entry["kv_modes"] == ["clean", "final"] and entry["default_kv_mode"] in ("clean", "final")
+        replies, code = await raw_session(url, {"type": "session.start", "kv_mode": "noisy"})
+        assert replies[0]["code"] == "unsupported" and "noisy" in replies[0]["message"] and code == 1008
+        frames = await _frames(url, "tiny-wan", 5, 3)
+    finally:
+        await running.close()
+    expected = ReferenceGenerator(model).generate(GenerationRequest(5, 3)).frames
+    assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 2

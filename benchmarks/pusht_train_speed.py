@@ -10,8 +10,13 @@ the other; the first step's time, which includes the compilation, is reported ap
 
     python benchmarks/pusht_train_speed.py --device cuda --compile both --json train_speed.json
 
-A variant is `name=layers,heads,ffn,batch` (the width is heads x 32, as in the shipped
-model); the defaults are the shipped shape at batch 128 and 512, 10 layers, and width 256.
+A variant is `name=layers,heads,ffn,batch[,clip_chunks]` (the width is heads x 32, as in
+the shipped model; `clip_chunks` as `train pusht --clip-chunks`, longer stream clips that
+train every chunk; each row says how many chunks a clip trains on average); the defaults
+are the shipped shape at batch 128 and 512, 10 layers, and width 256:
+
+    python benchmarks/pusht_train_speed.py --device cuda --compile on shipped=6,6,768,128 \
+        stream5=6,6,768,128,5
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def variant_config(layers: int, heads: int, ffn: int) -> ModelConfig:
     return dataclasses.replace(PUSHT, dit=dit, builtin_weights=None)
 
 
-def model_flops(config: ModelConfig, batch: int) -> float:
+def model_flops(config: ModelConfig, batch: int, chunks: int | None = None) -> float:
     """FLOPs of one training step (forward and backward): 6 x matrix parameters x tokens for
     the blocks' linear layers, and 12 x head width x attended (query, key) pairs x heads for
     self-attention (the frame mask's pairs only)."""
@@ -56,7 +61,7 @@ def model_flops(config: ModelConfig, batch: int) -> float:
     width = d["num_attention_heads"] * d["attention_head_dim"]
     per_block = 4 * width * width + 2 * width * d["ffn_dim"] + 2 * width * width  # self, ffn, cross q/out
     tokens_per_frame = (config.height // d["patch_size"][1]) * (config.width // d["patch_size"][2])
-    _, mask = clip_layout(config)
+    _, mask = clip_layout(config, chunks=chunks)
     tokens = mask.shape[0] * tokens_per_frame
     pairs = int(mask.sum()) * tokens_per_frame**2
     linear = 6 * d["num_layers"] * per_block * tokens
@@ -71,9 +76,10 @@ def _sync(device: torch.device) -> None:
 
 def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool, compiled: bool) -> dict:
     name, shape = spec.split("=")
-    layers, heads, ffn, batch = (int(x) for x in shape.split(","))
+    layers, heads, ffn, batch, *chunks = (int(x) for x in shape.split(","))
+    clip_chunks = chunks[0] if chunks else None
     config = variant_config(layers, heads, ffn)
-    train_config = TrainConfig(batch_size=batch, total_steps=10**9, compile=compiled)
+    train_config = TrainConfig(batch_size=batch, total_steps=10**9, compile=compiled, clip_chunks=clip_chunks)
     trainer = Trainer(config, train_config, data, tempfile.mkdtemp(), device)
     dev = trainer.device
     if dev.type == "cuda":
@@ -90,7 +96,10 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
         trainer.train_step()
     _sync(dev)
     seconds = (time.perf_counter() - start) / steps
-    flops = model_flops(config, batch)
+    flops = model_flops(config, batch, clip_chunks)
+    # Chunks a clip trains, on average over 512 clips (default clips: all of those that start
+    # at the episode start, the last of the others; stream clips: all).
+    trained = float(trainer.batcher.sample(512)["loss_chunks"].float().sum(1).mean())
     row = {
         "name": name,
         "compiled": compiled,
@@ -99,6 +108,9 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
         "width": heads * config.dit["attention_head_dim"],
         "ffn": ffn,
         "batch": batch,
+        "clip_chunks": trainer.batcher.num_chunks,
+        "chunks_trained_per_clip": round(trained, 2),
+        "chunks_trained_per_second": round(batch * trained / seconds, 1),
         "parameters_m": round(sum(p.numel() for p in trainer.dit.parameters()) / 1e6, 2),
         "step_ms": round(seconds * 1e3, 1),
         "steps_per_second": round(1 / seconds, 2),
@@ -130,7 +142,12 @@ def _profile(trainer: Trainer) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
-    p.add_argument("variants", nargs="*", default=list(DEFAULT_VARIANTS), help="name=layers,heads,ffn,batch")
+    p.add_argument(
+        "variants",
+        nargs="*",
+        default=list(DEFAULT_VARIANTS),
+        help="name=layers,heads,ffn,batch[,clip_chunks]",
+    )
     p.add_argument("--episodes", type=int, default=256, help="episodes of the recorded data (default 256)")
     p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "pusht-train-speed-data"))
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
@@ -149,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.episodes, args.steps) < 1 or args.warmup < 0:
         p.error("--episodes and --steps must be at least 1, --warmup at least 0")
     for v in args.variants:
-        if v.count("=") != 1 or len(v.split("=")[1].split(",")) != 4:
-            p.error(f"a variant is name=layers,heads,ffn,batch, not {v!r}")
+        if v.count("=") != 1 or len(v.split("=")[1].split(",")) not in (4, 5):
+            p.error(f"a variant is name=layers,heads,ffn,batch[,clip_chunks], not {v!r}")
     data = prepare_data(args.data, DatasetSpec(episodes=args.episodes, steps=150, seed=1, push_share=0.85))
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     rows = []

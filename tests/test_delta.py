@@ -17,7 +17,7 @@ from streamworld.engine import AsyncEngine, BranchRequest, ReplicaPlacement, Sta
 from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
 from streamworld.models.config import KV_MODES
 from streamworld.models.presets import PUSHT
-from streamworld.models.world_model import WorldModel
+from streamworld.models.world_model import WorldModel, image_as_last_frame
 from streamworld.pusht.evaluate import record_eval_episode, true_latents
 from streamworld.pusht.train import smoke_config, training_target
 from tests.conftest import tiny_config
@@ -142,7 +142,7 @@ def test_the_training_target_added_to_the_served_last_frame_gives_the_clip():
     image = model.vae.encode_image(torch.from_numpy(ep.frames[:1]).permute(0, 3, 1, 2) / 127.5 - 1)
     target = training_target(cfg, clip, torch.zeros_like(clip), image, clip)[0]
     assert target.abs().sum() < clip.abs().sum()  # what stands still since the last frame is zero
-    last = model.image_as_last_frame(image[0])
+    last = image_as_last_frame(cfg, image[0])
     for c in range(3):
         x0 = sched.x0_from_flow(clip[0, :, :f], target[:, c * f : (c + 1) * f], 0, last)
         torch.testing.assert_close(x0, clip[0, :, c * f : (c + 1) * f])

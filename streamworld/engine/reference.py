@@ -24,7 +24,7 @@ import torch
 from ..models.actions import gather_latent_actions
 from ..models.causal_wan import ChunkInput, CrossKV
 from ..models.vae import DecoderState, image_from_uint8, to_uint8
-from ..models.world_model import WorldModel
+from ..models.world_model import WorldModel, image_as_last_frame
 from .kv_modes import (
     commit_kv_access,
     context_frame_indices,
@@ -181,8 +181,8 @@ class ReferenceGenerator:
 
         last = None  # the latent frame before the next chunk ("delta" predictions add it)
         if req.image is not None:
-            last = model.image_as_last_frame(
-                self._prefill_image(req.image, text, cache, decoder, kv_mode, actions)
+            last = image_as_last_frame(
+                cfg, self._prefill_image(req.image, text, cache, decoder, kv_mode, actions)
             )
 
         latents, frames, chunk_frames, kv_bytes, decoder_bytes = [], [], [], [], []

@@ -32,7 +32,7 @@ from ..models.causal_wan import ChunkInput, StageActivation
 from ..models.schedule import chunk_noise
 from ..models.transfer import to_device
 from ..models.vae import image_from_uint8, to_uint8
-from ..models.world_model import WorldModel
+from ..models.world_model import WorldModel, image_as_last_frame
 from .graphs import StageGraphs
 from .kv_cache import KVCache, PagedKVView
 from .kv_pool import Stage
@@ -214,7 +214,7 @@ class ModelRunner:
         if chunk.denoised:
             tensors.x0 = state.image_latent
             if self.delta:
-                state.last = self.model.image_as_last_frame(state.image_latent)
+                state.last = image_as_last_frame(self.model.config, state.image_latent)
         state.chunks[chunk.index] = tensors
 
     def chunk_denoised(self, stream_id: int, index: int) -> None:

@@ -270,18 +270,19 @@ class WorldModel:
         with self._text_lock:
             return len(self._text_cache), self._text_cache.nbytes
 
-    def image_as_last_frame(self, image_latent: torch.Tensor) -> torch.Tensor:
-        """The first image's latent [C, 1, h, w] as the frame that the first chunk's "delta"
-        output is relative to: anchored pixel latents are differences from the image, so there
-        it is zero."""
-        return torch.zeros_like(image_latent) if self.config.anchored_pixels else image_latent
-
     def latent_shape(self, num_frames: int) -> tuple[int, int, int, int]:
         c = self.config
         return (c.latent_channels, num_frames, c.latent_height, c.latent_width)
 
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+
+def image_as_last_frame(config: ModelConfig, image_latent: torch.Tensor) -> torch.Tensor:
+    """The first image's latent [C, ..., h, w] as the frame that the first chunk's "delta"
+    output is relative to (serving and training targets alike): anchored pixel latents are
+    differences from the image, so there it is zero."""
+    return torch.zeros_like(image_latent) if config.anchored_pixels else image_latent
 
 
 def builtin_weights_path(config: ModelConfig) -> Path:

@@ -58,7 +58,7 @@ import torch
 from ..engine import context_frame_indices
 from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
-from ..models.world_model import WorldModel, resolve_device
+from ..models.world_model import WorldModel, image_as_last_frame, resolve_device
 from .data import ROLLOUT_TARGETS, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
 from .world import block_mask
@@ -190,8 +190,6 @@ class ClipBatcher:
             )
         self.chunk = config.latent_frames_per_chunk
         self.window = config.window_frames
-        if config.sink_frames != 1:
-            raise ValueError("the PushT recipe assumes one sink frame (the first image)")
         self.positions, self.frame_mask = clip_layout(config, device, chunks)
         self.clip = clip_length(config, chunks)
         self.sinks = len(self.positions) - 2 * self.clip  # copies of the sink (clip_layout)
@@ -461,8 +459,7 @@ def training_target(
     if config.prediction == "x0":
         return x0
     n, chunk = x0.shape[2], config.latent_frames_per_chunk
-    first = torch.zeros_like(sink) if config.anchored_pixels else sink  # WorldModel.image_as_last_frame
-    last = torch.cat([first, context[:, :, chunk - 1 : n - 1 : chunk]], 2)
+    last = torch.cat([image_as_last_frame(config, sink), context[:, :, chunk - 1 : n - 1 : chunk]], 2)
     return x0 - last.repeat_interleave(chunk, 2)
 
 

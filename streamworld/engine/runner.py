@@ -53,9 +53,6 @@ class ChunkTensors:
     latent_actions: torch.Tensor | None = None  # [F, r * action_dim] on the host, made on first use
     x_t: torch.Tensor | None = None  # current step's input latents
     x0: torch.Tensor | None = None  # latest clean estimate
-    # The latent frame before the chunk [C, 1, h, w] that a "delta" output is relative to,
-    # set when the last stage's units launch (the previous chunk is final by then).
-    last: torch.Tensor | None = None
     activation: StageActivation | None = None  # the row between stages
     # The CUDA event after which `activation` has arrived on the next stage's device
     # (stage_link.py); None when it is usable at once.
@@ -87,6 +84,9 @@ class Work:
     num_frames: int
     chunk: ChunkTensors
     view: PagedKVView
+    # The latent frame before the chunk that a "delta" output is relative to (last stage only:
+    # taken when the unit launches, when the K/V dependency has made the previous chunk final).
+    last: torch.Tensor | None = None
 
 
 @dataclass
@@ -236,10 +236,8 @@ class ModelRunner:
             self.cache, stage, read, writes, cfg.tokens_per_frame, first, min(cfg.sink_frames, first)
         )
         state = self.streams[unit.stream]
-        tensors = state.chunks[chunk.index]
-        if unit.stage == len(self.stages) - 1:  # where x0 is made from the output
-            tensors.last = state.last
-        return Work(unit, state.seed, first, chunk.num_frames, tensors, view)
+        last = state.last if unit.stage == len(self.stages) - 1 else None  # where x0 is made
+        return Work(unit, state.seed, first, chunk.num_frames, state.chunks[chunk.index], view, last)
 
     def decode_job(self, picked: list[tuple[int, int]]) -> DecodeJob:
         """(stream id, chunk index) pairs -> what their decode needs."""
@@ -379,7 +377,7 @@ class ModelRunner:
         for i, w in enumerate(works):
             x0 = w.chunk.x0
             if w.unit.phase >= 0:
-                last = None if w.chunk.last is None else w.chunk.last.to(flow.device)
+                last = None if w.last is None else w.last.to(flow.device)
                 x0 = sched.x0_from_flow(x_ts[i], flow[i], w.unit.phase, last)
             ok = self.overlap or bool(torch.isfinite(x0).all())
             out.append((ok, None if ok else "non-finite values in the model output", x_ts[i], x0, None, None))

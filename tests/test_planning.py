@@ -280,3 +280,32 @@ def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     assert all(row["seconds_per_plan"] > 0 for row in report["modes"].values())
     bad = subprocess.run([*cmd, "--repeats", "0"], cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr
+
+
+def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
+    """benchmarks/plan_throughput.py forks the shipped model's stream for each size asked and
+    writes one row per size (the timings belong to the benchmark, not to this test)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "throughput.json"
+    cmd = [sys.executable, "benchmarks/plan_throughput.py", "--horizon", "4", "--repeats", "1"]
+    done = subprocess.run(
+        [*cmd, "--branches", "1,2", "--warmup", "0", "--json", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report["device"], report["horizon"], report["weights"]) == ("cpu", 4, "shipped")
+    assert [row["branches"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["min_s"] <= row["fork_s"] <= row["max_s"]
+        assert row["frames_per_s"] == pytest.approx(row["branches"] * 4 / row["fork_s"], rel=0.01)
+    bad = subprocess.run([*cmd, "--branches", "2,x"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "comma-separated integers" in bad.stderr

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -282,15 +282,8 @@ class ModelRunner:
 
     def _execute_batch(self, stage: Stage, works: list[Work]) -> list[UnitResult]:
         model = self.model
-        inputs, x_ts = [], []
-        noises: dict = {}  # units that draw the same noise share it (a fork's branches)
-        for w in works:
-            hook = self.fault_hook()
-            if hook is not None:
-                hook(w.unit)
-            chunk_input = self._input(stage, w, noises)
-            inputs.append(chunk_input)
-            x_ts.append(chunk_input.latents)
+        inputs = self._inputs(stage, works)
+        x_ts = [i.latents for i in inputs]
         act = model.dit.embed(inputs) if stage.index == 0 else self._received(works)
         if self.graphs is not None:
             act = self.graphs[stage.index].run(act, inputs)
@@ -331,14 +324,39 @@ class ModelRunner:
             rows[0].num_frames,
         )
 
-    def _input(self, stage: Stage, w: Work, noises: dict) -> ChunkInput:
+    def _inputs(self, stage: Stage, works: list[Work]) -> list[ChunkInput]:
+        """The batch's DiT inputs (`_input`). The units that re-noise their last x0 at one
+        step do it together, in one set of kernels for all of them rather than one per unit:
+        the same arithmetic, element by element, as `FlowSchedule.noised`."""
+        noises: dict = {}  # units that draw the same noise share it (a fork's branches)
+        inputs: list[ChunkInput] = []
+        renoised: dict[tuple, list[tuple[int, torch.Tensor]]] = {}  # (step, shape) -> [(i, x0)]
+        for i, w in enumerate(works):
+            hook = self.fault_hook()
+            if hook is not None:
+                hook(w.unit)
+            chunk_input, x0 = self._input(stage, w, noises)
+            if x0 is not None:
+                renoised.setdefault((w.unit.phase, tuple(x0.shape)), []).append((i, x0))
+            inputs.append(chunk_input)
+        for (step, _), rows in renoised.items():
+            noise = torch.stack([inputs[i].latents for i, _ in rows])
+            x_t = self.model.schedule.renoise(torch.stack([x0 for _, x0 in rows]), noise, step)
+            for j, (i, _) in enumerate(rows):
+                inputs[i] = replace(inputs[i], latents=x_t[j])
+        return inputs
+
+    def _input(self, stage: Stage, w: Work, noises: dict) -> tuple[ChunkInput, torch.Tensor | None]:
         """The unit's DiT input: the step's noised latents (stage 0) or the chunk's current
         ones, its timesteps, prompt, K/V view and actions. `noises` holds the noise this batch
         has drawn so far, by (seed, chunk, step, shape): branches of one fork keep their
-        parent's seed, so a fork of 16 draws and copies each step's noise once, not 16 times."""
+        parent's seed, so a fork of 16 draws and copies each step's noise once, not 16 times.
+        A unit whose step re-noises the last x0 comes with the noise as its latents and that
+        x0, for `_inputs` to combine."""
         model, sched = self.model, self.model.schedule
         phase, chunk = w.unit.phase, w.chunk
         device = self.stage_devices[stage.index]
+        renoise = None
         # The last stage made x0, stage 0 x_t: copied where this stage runs, when it differs.
         if phase >= 0:
             t = sched.timesteps[phase]
@@ -348,15 +366,18 @@ class ModelRunner:
                 key = (w.seed, w.unit.chunk, phase, shape)
                 if key not in noises:
                     noises[key] = to_device(chunk_noise(*key), device)
-                x_t = sched.noised(noises[key], phase, x0)
+                x_t = noises[key]
+                if phase > 0 and x0 is not None:
+                    renoise = x0
+                else:
+                    x_t = sched.noised(x_t, phase, x0)  # the noise itself, or an error
             else:
                 x_t = chunk.x_t.to(device)
         else:
             t, x_t = model.config.context_timestep, chunk.x0.to(device)
-        timesteps = torch.full((w.num_frames,), t, device=device)
-        la = self._latent_actions(w)
-        la = None if la is None else to_device(la, device)
-        return ChunkInput(x_t, timesteps, chunk.text, w.view, la)
+        # Timesteps and actions stay on the host: the DiT's prologue copies the batch's at once.
+        timesteps = torch.full((w.num_frames,), t)
+        return ChunkInput(x_t, timesteps, chunk.text, w.view, self._latent_actions(w)), renoise
 
     def _latent_actions(self, w: Work) -> torch.Tensor | None:
         chunk = w.chunk

@@ -51,10 +51,10 @@ class ChunkInput:
     """One unit of work as the model sees it."""
 
     latents: torch.Tensor  # [C, F, h, w] noisy latents
-    timesteps: torch.Tensor  # [F] timestep per latent frame (0..1000 scale)
+    timesteps: torch.Tensor  # [F] timestep per latent frame (0..1000 scale), host or device
     text: CrossKV
     kv: KVView
-    latent_actions: torch.Tensor | None = None  # [F, r * action_dim]
+    latent_actions: torch.Tensor | None = None  # [F, r * action_dim], host or device
 
 
 @dataclass
@@ -418,12 +418,13 @@ class CausalWanDiT(nn.Module):
         dtype = self.transformer.proj_out.weight.dtype
         latents = torch.stack([u.latents for u in units]).to(dtype)  # [B, C, F, h, w]
         hidden = self.transformer.patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
-        timesteps = torch.stack([u.timesteps for u in units]).to(hidden.device, torch.float32)
+        # Timesteps and actions may come from the host: stacked there, copied once per batch.
+        timesteps = to_device(torch.stack([u.timesteps for u in units]).float(), hidden.device)
         actions = None
         if self.action_adapter is not None:
             if any(u.latent_actions is None for u in units):
                 raise ValueError("this model takes actions; a unit has none")
-            actions = torch.stack([u.latent_actions for u in units]).to(hidden.device)  # type: ignore[misc]
+            actions = to_device(torch.stack([u.latent_actions for u in units]), hidden.device)  # type: ignore[misc]
         modulation, temb = self._conditioning(timesteps, actions)
         hidden = self._add_spatial_actions(hidden, actions)
         return StageActivation(hidden, modulation, temb, num_frames=latents.shape[2])
@@ -469,18 +470,26 @@ class CausalWanDiT(nn.Module):
         ctx_frames = [u.kv.context_frames for u in units]
         p = self.tokens_per_frame
         device = act.hidden.device
-        rotations = [
-            self.rope_at(range(u.kv.first_frame, u.kv.first_frame + act.num_frames), device) for u in units
-        ]
-        q_cos = torch.stack([c.flatten(0, 1) for c, _ in rotations]).unsqueeze(2)  # [B, N, 1, d]
-        q_sin = torch.stack([s.flatten(0, 1) for _, s in rotations]).unsqueeze(2)
+        # Units at the same position (a fork's branches) share one rotation and one sink move:
+        # each is built on the host and copied once per batch, not once per unit.
+        rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for u in units:
+            first = u.kv.first_frame
+            if first not in rotations:
+                cos, sin = self.rope_at(range(first, first + act.num_frames), device)
+                rotations[first] = (cos.flatten(0, 1), sin.flatten(0, 1))
+        q_cos = torch.stack([rotations[u.kv.first_frame][0] for u in units]).unsqueeze(2)  # [B, N, 1, d]
+        q_sin = torch.stack([rotations[u.kv.first_frame][1] for u in units]).unsqueeze(2)
         # Sink frames sit at absolute positions 0..; the window frames right before the chunk.
         # Moving the sinks up by the gap keeps every relative position within the context.
+        shifts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         sink_moves: list[tuple[int, tuple[torch.Tensor, torch.Tensor]] | None] = []
         for u, c in zip(units, ctx_frames, strict=True):
             gap = u.kv.first_frame - c
             sinks = u.kv.sink_frames
-            sink_moves.append((sinks * p, self.temporal_shift(gap, device)) if sinks and gap else None)
+            if sinks and gap and gap not in shifts:
+                shifts[gap] = self.temporal_shift(gap, device)
+            sink_moves.append((sinks * p, shifts[gap]) if sinks and gap else None)
         uniform = all(c == ctx_frames[0] for c in ctx_frames)
         batch = _batch_plan(units) if uniform else None
         batch_move = None

@@ -56,8 +56,8 @@ def test_serve_flags_after_the_separator_go_to_the_server():
 
 def test_short_chaos_run_leaves_the_server_unharmed(tmp_path):
     out = tmp_path / "chaos.json"
-    command = [sys.executable, "loadtests/chaos.py", "--duration", "45", "--warmup", "10"]
-    command += ["--concurrency", "6", "--long-stream", "40", "--sigterm", "--json", str(out)]
+    command = [sys.executable, "loadtests/chaos.py", "--duration", "22", "--warmup", "4"]
+    command += ["--concurrency", "6", "--long-stream", "20", "--sigterm", "--json", str(out)]
     command += ["--", "--threads", "1", "--frame-size", "32x32", "--max-sessions", "4", "--max-queue", "32"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.exists(), done.stdout + done.stderr

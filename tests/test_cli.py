@@ -141,7 +141,7 @@ def test_module_entry_point_and_models_listing():
 
 def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1.5", "--unpaced"]
+    args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1", "--unpaced"]
     assert main([*args, "--json", str(out)]) == 0
     report = capsys.readouterr().out
     assert "engine   aggregate" in report and "ratio" in report

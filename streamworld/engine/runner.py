@@ -104,6 +104,21 @@ class DecodeJob:
     events: list[Any]  # CUDA events the DiT recorded for these latents (overlapped dispatch)
 
 
+def _batched_to_host(tensors: list[torch.Tensor], convert: Callable[[torch.Tensor], Any]) -> list:
+    """`convert` ([B, ...] device tensor -> [B, ...] host array) applied to each tensor of a
+    list of [1, ...] ones, with one conversion (one copy to the host, one wait) per shape
+    rather than one per tensor: a fork's branches decode together."""
+    out: list = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    for idx in groups.values():
+        batch = convert(torch.cat([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]])
+        for row, i in enumerate(idx):
+            out[i] = batch[row]
+    return out
+
+
 @dataclass
 class Decoded:
     frames: np.ndarray  # [T, H, W, 3] uint8
@@ -434,8 +449,11 @@ class ModelRunner:
         for i, v in zip(todo, videos, strict=True):
             if isinstance(v, BaseException):
                 results[i] = v
-            else:
-                results[i] = Decoded(to_uint8(v)[0], x0s[i].float().cpu(), states[i].signature())
+        done = [(i, v) for i, v in zip(todo, videos, strict=True) if not isinstance(v, BaseException)]
+        frames = _batched_to_host([v for _, v in done], to_uint8)
+        hosted = _batched_to_host([x0s[i].unsqueeze(0) for i, _ in done], lambda x: x.float().cpu())
+        for (i, _), f, x in zip(done, frames, hosted, strict=True):
+            results[i] = Decoded(f, x, states[i].signature())
         return results, time.perf_counter() - start
 
     def _decode_videos(self, latents: list[torch.Tensor], states: list[Any]) -> list:

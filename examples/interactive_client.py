@@ -178,7 +178,7 @@ class KeyMap:
     """The session's current action vector, changed by key names (up, down, left, right, stay)."""
 
     def __init__(self, model: str, action_dim: int, scene: Any, step: float) -> None:
-        self.pusht = model == "pusht"
+        self.pusht = model in ("pusht", "pusht-delta")
         self.step = step
         agent = scene.get("agent") if isinstance(scene, dict) else None
         if self.pusht:

@@ -16,6 +16,9 @@ the chosen one framed in red).
 
     streamworld serve                       # in another terminal (serves pusht by default)
     python examples/plan_pusht.py --seed 1 --goal-steps 5 --video plan.mp4
+
+`--model pusht-delta` plans with the better planner of the two shipped PushT models (serve
+it with `streamworld serve --model pusht-delta`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from streamworld.pusht.planning import make_task, run_episode, state_error
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/stream", help="server stream URL")
+    p.add_argument(
+        "--model",
+        default="pusht",
+        choices=("pusht", "pusht-delta"),
+        help="served PushT model (default pusht)",
+    )
     p.add_argument("--seed", type=int, default=1, help="task seed (default 1)")
     p.add_argument("--goal-steps", type=int, default=5, help="steps from start to goal (default 5, easy)")
     p.add_argument("--budget", type=int, default=24, help="environment steps allowed (default 24)")
@@ -113,7 +122,7 @@ async def run(args: argparse.Namespace) -> int:
     print(f"task {args.seed}: start {state_error(world.scene, task.goal)[0]:.0f} world units from the goal")
     world.close()
     result = await run_episode(
-        lambda observed, _world: ClientRollouts.start(args.url, observed, model="pusht", seed=args.seed),
+        lambda observed, _world: ClientRollouts.start(args.url, observed, model=args.model, seed=args.seed),
         task,
         config,
         64,

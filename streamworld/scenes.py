@@ -44,7 +44,7 @@ def pusht_frame(seed: int, size: int) -> tuple[np.ndarray, dict[str, Any] | None
 def first_frame_source(config: ModelConfig, isolated: bool = False) -> FirstFrame | None:
     """The first-frame source of a model, or None when it has no environment. `isolated`
     (the server): made in a child process, see `ChildProcessFrames`."""
-    if config.id != "pusht":
+    if config.environment != "pusht":
         return None
     make = functools.partial(pusht_frame, size=config.height)
     return ChildProcessFrames(make) if isolated else make
@@ -114,6 +114,6 @@ def resting_action(config: ModelConfig, scene: dict[str, Any] | None) -> list[fl
     """The action that leaves a scene as it is, where the model's actions are positions: for
     `pusht` the agent's own position (its target). None where zeros already mean "do nothing"
     or the scene is unknown."""
-    if config.id == "pusht" and scene and "agent" in scene:
+    if config.environment == "pusht" and scene and "agent" in scene:
         return [float(v) for v in scene["agent"][:2]]
     return None

@@ -198,3 +198,56 @@ async def test_a_served_delta_model_lists_and_keeps_to_its_kv_modes():
         await running.close()
     expected = ReferenceGenerator(model).generate(GenerationRequest(5, 3)).frames
     assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 2
+
+
+async def test_the_shipped_delta_pusht_model_serves_scenes_and_plans_as_pusht_does(tmp_path):
+    """`pusht-delta` ships its own weights (trained to predict delta, as they record), serves
+    clean and final, has the PushT scenes (first frames, resting actions) and is evaluated
+    and planned with as `pusht` is."""
+    import aiohttp
+
+    from streamworld.cli.main import main
+    from streamworld.client import StreamWorldClient
+    from streamworld.models import get_preset
+    from streamworld.pusht.evaluate import evaluate
+    from tests.test_server import start_server
+
+    config = get_preset("pusht-delta")
+    model = WorldModel.load(config)  # the shipped file: a prediction mismatch would raise
+    assert (model.config.prediction, model.config.kv_modes) == ("delta", ("clean", "final"))
+    _, running = await start_server({"pusht-delta": model})
+    try:
+        url, http = f"ws://127.0.0.1:{running.port}/v1/stream", f"http://127.0.0.1:{running.port}"
+        async with aiohttp.ClientSession() as s, s.get(f"{http}/v1/models") as r:
+            (entry,) = (await r.json())["models"]
+        async with StreamWorldClient(url, model="pusht-delta", format="rgb", num_chunks=2) as c:
+            chunks = [ch async for ch in c.chunks()]
+            scene = c.info.raw.get("scene")
+    finally:
+        await running.close()
+    assert (
+        entry["environment"] == "pusht"
+        and entry["has_default_image"]
+        and entry["kv_modes"] == ["clean", "final"]
+    )
+    assert len(chunks) == 2 and scene is not None and "agent" in scene
+    report = evaluate(model, [0], ["final"], horizon=4, progress=False)
+    assert set(report["modes"]) == {"final"} and len(next(iter(report["modes"]["final"].values()))) == 4
+    plan = [
+        "eval",
+        "pusht-delta",
+        "--plan",
+        "--seeds",
+        "0",
+        "--budget",
+        "2",
+        "--samples",
+        "2",
+        "--elites",
+        "1",
+    ]
+    plan += ["--iterations", "1", "--plan-horizon", "4", "--json", str(tmp_path / "plan.json")]
+    assert await asyncio.to_thread(main, plan) == 0
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert (report["model"], report["prediction"], report["kv_mode"]) == ("pusht-delta", "delta", "final")
+    assert report["episodes"][0]["steps"] >= 1

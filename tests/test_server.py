@@ -94,7 +94,7 @@ async def start_server(
         models,
         engine_config,
         ServerConfig(max_text_frame=max_text_frame, limits=limits),
-        default_model="tiny-wan",
+        default_model="tiny-wan" if "tiny-wan" in models else None,
     )
     if transport == "asgi":
         return server, await RunningAsgiServer(server).start()

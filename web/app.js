@@ -47,7 +47,7 @@ function currentModel() {
 }
 
 function isPushT(model) {
-  return model && model.id === "pusht";
+  return model && model.environment === "pusht";
 }
 
 function showModel() {

@@ -24,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "copy-first-frame baseline. Prints a Markdown table; --json writes every horizon."
         ),
     )
-    parser.add_argument("model", choices=("pusht",), help="the model to evaluate")
+    parser.add_argument(
+        "model",
+        choices=("pusht", "pusht-delta"),
+        help="the model to evaluate: pusht, or pusht-delta (its delta-trained sibling, the better planner)",
+    )
     parser.add_argument(
         "--seeds", help="environment seeds, e.g. 0-99 or 1,5,9 (default 0-99; with --plan 0-49)"
     )

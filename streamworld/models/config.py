@@ -67,6 +67,9 @@ class ModelConfig:
     # used when no weight paths are given.
     builtin_weights: str | None = None
     description: str = ""
+    # The environment the model simulates, where the project has one ("pusht": first frames,
+    # scenes, the evaluation and the planner); None for models of open-ended video.
+    environment: str | None = None
 
     def __post_init__(self) -> None:
         if self.default_kv_mode not in self.kv_modes:
@@ -202,6 +205,7 @@ class ModelConfig:
             "default_kv_mode": self.default_kv_mode,
             "denoising_steps": self.num_steps,
             "description": self.description,
+            "environment": self.environment,
         }
 
 

@@ -7,6 +7,8 @@ checkpoints), whose weights come from local paths, or random weights for benchma
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .config import ModelConfig
 
 TINY_WAN = ModelConfig(
@@ -158,9 +160,21 @@ PUSHT = ModelConfig(
     # in the evaluation (docs/pusht.md).
     default_kv_mode="final",
     builtin_weights="pusht.safetensors",
+    environment="pusht",
 )
 
-PRESETS: dict[str, ModelConfig] = {c.id: c for c in (PUSHT, TINY_WAN, WAN21_T2V_13B)}
+# The same PushT model trained further to predict each chunk's change since the last frame
+# before it (`train pusht --prediction delta`, on 5-chunk stream clips): it places the pushed
+# block better and plans more goals (docs/pusht.md, docs/planning.md), and, as every delta
+# model, serves `clean` and `final` but not `noisy`.
+PUSHT_DELTA = replace(
+    PUSHT.with_prediction("delta"),
+    id="pusht-delta",
+    description="PushT world model predicting each chunk's change (better block motion; no noisy KV mode)",
+    builtin_weights="pusht-delta.safetensors",
+)
+
+PRESETS: dict[str, ModelConfig] = {c.id: c for c in (PUSHT, PUSHT_DELTA, TINY_WAN, WAN21_T2V_13B)}
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -187,7 +187,7 @@ def evaluate(
     from tqdm import tqdm
 
     cfg = model.config
-    if cfg.id != "pusht" or cfg.action_dim != 2:
+    if cfg.environment != "pusht" or cfg.action_dim != 2:
         raise ValueError(f"model {cfg.id} is not a PushT model")
     fpc = cfg.frames_per_chunk
     num_chunks = math.ceil(horizon / fpc)

@@ -90,7 +90,8 @@ async def cem(
     the mean (first: `start` held, or `mean`, e.g. the last plan shifted), roll them all out
     as one fork, refit mean and spread to the `elites` cheapest (of these and the
     `keep_elites` carried from the last iteration), `iterations` times. `cost` maps one
-    candidate's predicted frames to a number (lower is better). `keep_candidates` keeps every
+    candidate's predicted frames to a number (lower is better); a cost with a method
+    `many(frames)` is given the whole fork's frames at once instead. `keep_candidates` keeps every
     candidate's frames of the fork the plan came from (to show them)."""
     config.check()
     t0 = time.perf_counter()
@@ -107,7 +108,8 @@ async def cem(
         samples[0] = np.clip(mu, config.low, config.high)  # the mean itself is always tried
         candidates = np.repeat(samples, config.knot_frames, axis=1)[:, : config.horizon].astype(np.float32)
         frames = await rollouts(candidates)
-        costs = np.array([cost(f) for f in frames])
+        many = getattr(cost, "many", None)  # a cost may score a whole fork at once
+        costs = np.asarray(many(frames)) if many is not None else np.array([cost(f) for f in frames])
         pool, pool_costs = np.concatenate([samples, carried]), np.concatenate([costs, carried_costs])
         order = np.argsort(pool_costs, kind="stable")
         elite = pool[order[: config.elites]]

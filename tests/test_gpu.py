@@ -551,3 +551,11 @@ def test_forks_under_cuda_graphs_equal_forks_run_eagerly_pusht(prediction):
         assert np.abs(a.astype(int) - b.astype(int)).max() <= 2
     # The second fork's candidates are the first's reversed: so are its predictions.
     assert np.abs(eager[1][::-1].astype(int) - eager[0].astype(int)).max() <= 2
+
+
+def test_the_planner_scores_a_fork_on_the_gpu_as_numpy_does_frame_by_frame():
+    """`eval pusht --plan` on CUDA scores each fork's frames on the GPU at once
+    (`pusht/batch_locate.py`): the same costs as the host's frame-by-frame NumPy."""
+    from tests.test_planning import check_fork_cost_matches_frame_by_frame
+
+    check_fork_cost_matches_frame_by_frame("cuda")

@@ -132,6 +132,75 @@ def test_the_best_frame_cost_scores_a_candidate_that_passes_through_the_goal():
         frame_cost(task.goal_frame, frames="mean")
 
 
+def _fork_frames(seed: int = 3, candidates: int = 6, frames: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """A task's goal frame and a fork's worth of candidates [K, H, 64, 64, 3]: frames of the
+    true environment under random targets, the same with noise, and one blank candidate
+    (nothing to see: the not-seen costs)."""
+    task = make_task(seed, 64)
+    world, _ = task.start(64)
+    rng = np.random.default_rng(seed)
+    try:
+        rolled = np.stack([world.step(rng.uniform(50.0, 450.0, 2)) for _ in range(candidates * frames)])
+    finally:
+        world.close()
+    clean = rolled.reshape(candidates, frames, 64, 64, 3)
+    noisy = np.clip(clean.astype(int) + rng.integers(-60, 60, clean.shape), 0, 255).astype(np.uint8)
+    blank = np.full((1, frames, 64, 64, 3), 255, np.uint8)
+    return task.goal_frame, np.concatenate([clean, noisy, blank])
+
+
+def check_fork_cost_matches_frame_by_frame(device: str) -> None:
+    """`frame_cost(..., device=D).many`, a whole fork in PyTorch on D, against NumPy's cost
+    frame by frame (shared with tests/test_gpu.py)."""
+    import torch
+
+    from streamworld.pusht.batch_locate import locate_batch
+    from streamworld.pusht.world import locate
+
+    goal, fork = _fork_frames()
+    for mode in ("last", "best"):
+        host = frame_cost(goal, frames=mode)
+        batched = frame_cost(goal, frames=mode, device=device)
+        expected, got = np.array([host(c) for c in fork]), batched.many(fork)
+        # True frames and the blank one: the same costs. Noisy frames have near-equal peaks,
+        # which sums rounded in another order may break the other way: a pixel apart.
+        clean = [*range(6), len(fork) - 1]
+        assert np.allclose(got[clean], expected[clean], rtol=1e-9, atol=1e-9), mode
+        assert np.abs(got - expected).max() < 2.0, mode
+        assert batched(fork[0]) == pytest.approx(expected[0], rel=1e-9)
+    clean = fork[:6].reshape(-1, 64, 64, 3)  # true frames: no ties between peaks
+    agent, block = (x.cpu().numpy() for x in locate_batch(torch.from_numpy(clean).to(device)))
+    for i, frame in enumerate(clean):
+        found = locate(frame)
+        assert np.allclose(agent[i], found.agent, atol=1e-9) and np.allclose(block[i], found.block, atol=1e-9)
+    blank = np.full((1, 64, 64, 3), 255, np.uint8)
+    assert all(torch.isnan(x).all() for x in locate_batch(torch.from_numpy(blank).to(device)))
+
+
+def test_a_fork_scored_at_once_in_pytorch_costs_what_numpy_scores_frame_by_frame():
+    check_fork_cost_matches_frame_by_frame("cpu")
+
+
+def test_cem_scores_a_fork_at_once_when_the_cost_can():
+    """A cost with `many` gets each fork's frames in one call, never frame by frame."""
+    calls = []
+
+    class Fork:
+        def __call__(self, candidate):
+            raise AssertionError("scored one candidate at a time")
+
+        def many(self, frames):
+            calls.append(len(frames))
+            return np.abs(frames[:, -1] - 300.0).sum(-1)
+
+    async def rollouts(candidates):
+        return candidates  # the "frames" are the actions
+
+    config = CEMConfig(horizon=4, samples=8, elites=2, iterations=3, knot_frames=2)
+    asyncio.run(cem(rollouts, Fork(), np.array([256.0, 256.0]), config, np.random.default_rng(0)))
+    assert calls == [8, 8, 8]
+
+
 @pytest.fixture(scope="module")
 def pusht_model() -> WorldModel:
     return WorldModel.load(get_preset("pusht"))
@@ -258,8 +327,9 @@ def test_eval_plan_simulator_refuses_model_options(capsys):
 
 
 def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
-    """benchmarks/plan_cost.py writes a timing for each `--cost-frames` mode (the timings
-    themselves belong to the benchmark, not to this test)."""
+    """benchmarks/plan_cost.py writes a timing for each `--cost-frames` mode, here for the
+    fork-at-once PyTorch path (the timings themselves belong to the benchmark, not to this
+    test)."""
     import json
     import subprocess
     import sys
@@ -271,15 +341,19 @@ def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     out = tmp_path / "cost.json"
     cmd = [sys.executable, "benchmarks/plan_cost.py", "--candidates", "2", "--frames", "3"]
     done = subprocess.run(
-        [*cmd, "--repeats", "1", "--json", str(out)], cwd=root, capture_output=True, text=True, timeout=120
+        [*cmd, "--repeats", "1", "--device", "cpu", "--fork", "1", "--json", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert (report["candidates"], report["frames"]) == (2, 3)
+    assert (report["candidates"], report["frames"], report["cost_device"], report["fork"]) == (2, 3, "cpu", 1)
     assert set(report["modes"]) == set(COST_FRAMES)
     assert all(row["seconds_per_plan"] > 0 for row in report["modes"].values())
     bad = subprocess.run([*cmd, "--repeats", "0"], cwd=root, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr
+    assert bad.returncode == 2 and "--repeats and --fork must be at least 1" in bad.stderr
 
 
 def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):

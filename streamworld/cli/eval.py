@@ -251,12 +251,17 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "budget": args.budget,
             "execute": args.execute or config.horizon,
             "cost_frames": args.cost_frames,
+            "cost_device": cost_device or "host",
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
             "episodes": [r.to_json() for r in results],
         }
 
+    cost_device = None
     async with _rollouts(args, config) as (planner, size, rollouts_for):
+        # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
+        # them one by one, which is faster there (pusht/batch_locate.py).
+        cost_device = planner["device"] if planner["device"].startswith("cuda") else None
         bar = tqdm(seeds, desc="planning pusht", unit="episode")
         for seed in bar:
             task = make_task(seed, size, args.goal_steps)
@@ -269,6 +274,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
                 execute=args.execute,
                 seed=seed,
                 cost_frames=args.cost_frames,
+                cost_device=cost_device,
             )
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")

@@ -99,34 +99,61 @@ COST_FRAMES = ("last", "best")
 
 
 def frame_cost(
-    goal_frame: np.ndarray, shape_weight: float = 200.0, frames: str = "last"
-) -> Callable[[np.ndarray], float]:
+    goal_frame: np.ndarray, shape_weight: float = 200.0, frames: str = "last", device: str | None = None
+) -> FrameCost:
     """Cost of a candidate's predicted frames [H, S, S, 3] against the goal frame (module
     docstring): the pixel distances of the agent and of the block from where they are in
     the goal frame (`locate`; an object not seen costs the frame's size), plus the mean
     squared difference of the block's blurred weight maps, which carries its angle.
 
     `frames="last"` scores the last frame; `"best"` the frame nearest the goal, as the
-    success test is met by any step the environment passes through (`run_episode`)."""
+    success test is met by any step the environment passes through (`run_episode`).
+    `device` (e.g. "cuda"): score a whole fork's frames at once there (`FrameCost.many`,
+    `batch_locate.py`) instead of one frame at a time with NumPy, the faster way on a CPU."""
     if frames not in COST_FRAMES:
         raise ValueError(f"frames must be one of {', '.join(COST_FRAMES)}, got {frames!r}")
-    size = goal_frame.shape[0]
-    goal = locate(goal_frame)
-    goal_block = _block_map(palette_weights(goal_frame))
+    return FrameCost(goal_frame, shape_weight, frames, device)
 
-    def distance(p: tuple[float, float] | None, q: tuple[float, float] | None) -> float:
-        return float(size) if p is None or q is None else math.dist(p, q)
 
-    def one(frame: np.ndarray) -> float:
+class FrameCost:
+    """`frame_cost`'s answer: `cost(candidate)` for one candidate, `cost.many(candidates)`
+    for a fork's [K, H, S, S, 3] at once (`cem` uses it)."""
+
+    def __init__(self, goal_frame: np.ndarray, shape_weight: float, frames: str, device: str | None) -> None:
+        self.size, self.shape_weight, self.mode = goal_frame.shape[0], shape_weight, frames
+        self.goal = locate(goal_frame)
+        self.goal_block = _block_map(palette_weights(goal_frame))
+        self.batch = None
+        if device is not None:
+            from .batch_locate import BatchFrameCost
+
+            self.batch = BatchFrameCost(goal_frame, shape_weight, device)
+
+    def __call__(self, candidate: np.ndarray) -> float:
+        if self.batch is not None:
+            return float(self.many(candidate[None])[0])
+        return self._one(candidate[-1]) if self.mode == "last" else min(self._one(f) for f in candidate)
+
+    def many(self, candidates: np.ndarray) -> np.ndarray:
+        """The costs [K] of candidates [K, H, S, S, 3]."""
+        if self.batch is None:
+            return np.array([self(c) for c in candidates])
+        if self.mode == "last":
+            return self.batch.frames(candidates[:, -1])
+        return self.batch.frames(candidates).min(1)
+
+    def _one(self, frame: np.ndarray) -> float:
         weights = palette_weights(frame)
         seen = locate(frame, weights)
-        shape = float(((_block_map(weights) - goal_block) ** 2).mean())
-        return distance(seen.agent, goal.agent) + distance(seen.block, goal.block) + shape_weight * shape
+        shape = float(((_block_map(weights) - self.goal_block) ** 2).mean())
+        return (
+            self._distance(seen.agent, self.goal.agent)
+            + self._distance(seen.block, self.goal.block)
+            + (self.shape_weight * shape)
+        )
 
-    def cost(candidate: np.ndarray) -> float:
-        return one(candidate[-1]) if frames == "last" else min(one(f) for f in candidate)
-
-    return cost
+    def _distance(self, p: tuple[float, float] | None, q: tuple[float, float] | None) -> float:
+        return float(self.size) if p is None or q is None else math.dist(p, q)
 
 
 class SimulatorRollouts:
@@ -191,6 +218,7 @@ async def run_episode(
     seed: int = 0,
     record: bool = False,
     cost_frames: str = "last",
+    cost_device: str | None = None,
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame, run the plan's
     first `execute` actions (default: the whole horizon) in the real environment, and again,
@@ -199,11 +227,12 @@ async def run_episode(
     Each plan gets new rollouts from `rollouts_for(frame, world)` (the observed frame and
     the real environment, which `SimulatorRollouts` copies), or from the awaitable it
     returns; their `close()`, if any, is called after the plan, and awaited if it returns an
-    awaitable. `cost_frames`: which predicted frames the cost reads (`frame_cost`)."""
+    awaitable. `cost_frames`: which predicted frames the cost reads, and `cost_device`
+    where it reads them (`frame_cost`)."""
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
-    cost = frame_cost(task.goal_frame, frames=cost_frames)
+    cost = frame_cost(task.goal_frame, frames=cost_frames, device=cost_device)
     result = EpisodeResult(task.seed, reached(world.scene, task.goal), 0, 0, frames=[frame] if record else [])
     mean = None
     try:

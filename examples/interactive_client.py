@@ -177,8 +177,8 @@ def check_options(model: dict[str, Any], args: argparse.Namespace, actions: np.n
 class KeyMap:
     """The session's current action vector, changed by key names (up, down, left, right, stay)."""
 
-    def __init__(self, model: str, action_dim: int, scene: Any, step: float) -> None:
-        self.pusht = model in ("pusht", "pusht-delta")
+    def __init__(self, environment: str | None, action_dim: int, scene: Any, step: float) -> None:
+        self.pusht = environment == "pusht"  # `environment` in the model's /v1/models entry
         self.step = step
         agent = scene.get("agent") if isinstance(scene, dict) else None
         if self.pusht:
@@ -389,7 +389,7 @@ async def finish(
 
 async def stream(
     args: argparse.Namespace,
-    action_dim: int,
+    model: dict[str, Any],
     actions: np.ndarray | None,
     image: np.ndarray | None,
     recording: Recording,
@@ -413,7 +413,8 @@ async def stream(
         if actions is not None:
             await client.send_actions(actions, frame=0)
         if args.keyboard:
-            keys = KeyMap(info.model, action_dim, info.raw.get("scene"), args.step)
+            action_dim = int(model.get("action_dim", 0))
+            keys = KeyMap(model.get("environment"), action_dim, info.raw.get("scene"), args.step)
             steer_from_keyboard(client, keys, stop, cleanup)
         receiver = asyncio.create_task(receive(client, recording.frames, on_chunk))
         return await finish(client, receiver, stopping)
@@ -450,7 +451,7 @@ async def run(args: argparse.Namespace) -> int:
     check_options(model, args, actions)
     recording = Recording()
     try:
-        code = await stream(args, int(model.get("action_dim", 0)), actions, image, recording)
+        code = await stream(args, model, actions, image, recording)
     except Exit as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.code

@@ -30,6 +30,7 @@ import sys
 import numpy as np
 
 from streamworld.cli.arguments import add_search_arguments
+from streamworld.cli.eval import PUSHT_MODELS
 from streamworld.client import StreamWorldError
 from streamworld.planning import CEMConfig, ClientRollouts
 from streamworld.pusht.planning import make_task, run_episode, state_error
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="pusht",
-        choices=("pusht", "pusht-delta"),
+        choices=PUSHT_MODELS,
         help="served PushT model (default pusht)",
     )
     p.add_argument("--seed", type=int, default=1, help="task seed (default 1)")

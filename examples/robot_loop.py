@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 
+from streamworld.cli.eval import PUSHT_MODELS
 from streamworld.client import Chunk, StreamWorldClient, StreamWorldError
 from streamworld.pusht.evaluate import psnr
 from streamworld.pusht.policy import ScriptedPolicy
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         "actions, and compare the predicted frames with the real ones.",
     )
     p.add_argument("--url", default="ws://127.0.0.1:8000/v1/stream", help="server stream URL")
+    p.add_argument(
+        "--model", default="pusht", choices=PUSHT_MODELS, help="served PushT model (default pusht)"
+    )
     p.add_argument("--seed", type=int, default=0, help="environment seed: the scene the loop starts from")
     p.add_argument("--policy-seed", type=int, help="controller seed (default: 500000 + --seed)")
     p.add_argument("--chunks", type=int, default=8, help="chunks to run (default 8: 32 frames at 10 fps)")
@@ -67,10 +71,10 @@ class LoopRecord:
 
 
 def open_session(args: argparse.Namespace, first: np.ndarray) -> StreamWorldClient:
-    """A lockstep (`wait`), lossless (`rgb`) pusht session starting from the real first frame."""
+    """A lockstep (`wait`), lossless (`rgb`) PushT session starting from the real first frame."""
     return StreamWorldClient(
         args.url,
-        model="pusht",
+        model=args.model,
         image=first,
         seed=0,
         num_chunks=args.chunks,

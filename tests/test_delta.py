@@ -210,6 +210,7 @@ async def test_the_shipped_delta_pusht_model_serves_scenes_and_plans_as_pusht_do
     from streamworld.client import StreamWorldClient
     from streamworld.models import get_preset
     from streamworld.pusht.evaluate import evaluate
+    from streamworld.scenes import resting_action
     from tests.test_server import start_server
 
     config = get_preset("pusht-delta")
@@ -231,6 +232,7 @@ async def test_the_shipped_delta_pusht_model_serves_scenes_and_plans_as_pusht_do
         and entry["kv_modes"] == ["clean", "final"]
     )
     assert len(chunks) == 2 and scene is not None and "agent" in scene
+    assert resting_action(config, scene) == [float(v) for v in scene["agent"][:2]]
     report = evaluate(model, [0], ["final"], horizon=4, progress=False)
     assert set(report["modes"]) == {"final"} and len(next(iter(report["modes"]["final"].values()))) == 4
     plan = [
@@ -251,3 +253,4 @@ async def test_the_shipped_delta_pusht_model_serves_scenes_and_plans_as_pusht_do
     report = json.loads((tmp_path / "plan.json").read_text())
     assert (report["model"], report["prediction"], report["kv_mode"]) == ("pusht-delta", "delta", "final")
     assert report["episodes"][0]["steps"] >= 1
+    assert await asyncio.to_thread(main, [*plan[:2], "--plan", "--kv-mode", "noisy"]) == 2  # a usage error

@@ -579,3 +579,22 @@ def test_a_batched_kv_store_writes_each_units_rows_to_its_own_pages(writes):
     assert torch.equal(cache.keys[0][:, 0], torch.full_like(expected, -1.0))  # block 0 untouched
     written = expected != -1.0
     assert torch.equal(cache.values[0][:, 1][written], -expected[written])
+
+
+def test_decode_results_go_to_the_host_in_their_own_order_whatever_their_shapes():
+    """`_batched_to_host` copies tensors of one shape and dtype together: each result is
+    still its own tensor's values, in the order given."""
+    from streamworld.engine.runner import _batched_to_host
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.rand(1, 2, 3, generator=g),
+        torch.randint(0, 255, (1, 4), generator=g).to(torch.uint8),
+        torch.rand(1, 2, 3, generator=g),
+        torch.rand(1, 5, generator=g),
+        torch.randint(0, 255, (1, 4), generator=g).to(torch.uint8),
+    ]
+    hosted = _batched_to_host(tensors)
+    assert len(hosted) == len(tensors)
+    for t, h in zip(tensors, hosted, strict=True):
+        assert h.dtype == t.dtype and h.device.type == "cpu" and torch.equal(h, t[0])

@@ -348,7 +348,7 @@ async def test_disconnect_mid_stream_frees_the_pages(served):
 
 async def test_a_client_that_stops_reading_does_not_hold_up_others(models, transport):
     limits = SessionLimits(pause_chunks=1, slow_client_timeout_s=1.0)
-    model = load_tiny(height=128, width=128)  # big rgb chunks fill the socket buffers quickly
+    model = load_tiny(height=256, width=256)  # big rgb chunks fill the socket buffers quickly
     server, test_server = await start_server({"tiny-wan": model}, limits=limits, transport=transport)
     url = f"ws://127.0.0.1:{test_server.port}/v1/stream"
     try:

@@ -9,8 +9,12 @@ import json
 import time
 from pathlib import Path
 
+from ..models import PRESETS
 from . import arguments, loading
 from .errors import UsageError
+
+# The models of the PushT environment, which the evaluation and the planner drive.
+PUSHT_MODELS = tuple(c.id for c in PRESETS.values() if c.environment == "pusht")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "model",
-        choices=("pusht", "pusht-delta"),
+        choices=PUSHT_MODELS,
         help="the model to evaluate: pusht, or pusht-delta (its delta-trained sibling, the better planner)",
     )
     parser.add_argument(
@@ -133,9 +137,22 @@ def _load(args: argparse.Namespace):
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
     options = loading.LoadOptions(device=args.device, dtype="float32")
     config = loading.override_preset(get_preset(args.model), args)  # --steps
+    _check_kv_modes(args, config)
     if args.plan and args.kv_modes:  # the planning streams' KV mode
         config = dataclasses.replace(config, default_kv_mode=args.kv_modes[0])
-    return loading.load_world_model(config, WeightPaths(dit=args.dit), options)
+    model = loading.load_world_model(config, WeightPaths(dit=args.dit), options)
+    _check_kv_modes(args, model.config)  # weights that predict delta drop `noisy`
+    return model
+
+
+def _check_kv_modes(args: argparse.Namespace, config) -> None:
+    unserved = [m for m in args.kv_modes or () if m not in config.kv_modes]
+    if unserved:
+        weights = f" with {args.dit}" if args.dit else ""
+        raise UsageError(
+            f"--kv-mode {unserved[0]}: {config.id}{weights} serves {', '.join(config.kv_modes)} only "
+            "(a model that predicts each chunk's change cannot serve noisy)"
+        )
 
 
 def _weights_record(args: argparse.Namespace, model) -> dict:
@@ -262,7 +279,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
         # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
         # them one by one, which is faster there (pusht/batch_locate.py).
         cost_device = planner["device"] if planner["device"].startswith("cuda") else None
-        bar = tqdm(seeds, desc="planning pusht", unit="episode")
+        bar = tqdm(seeds, desc=f"planning {args.model}", unit="episode")
         for seed in bar:
             task = make_task(seed, size, args.goal_steps)
             result = await run_episode(

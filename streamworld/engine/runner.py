@@ -31,7 +31,7 @@ from ..models.actions import gather_latent_actions
 from ..models.causal_wan import ChunkInput, StageActivation
 from ..models.schedule import chunk_noise
 from ..models.transfer import to_device
-from ..models.vae import image_from_uint8, to_uint8
+from ..models.vae import image_from_uint8, uint8_frames
 from ..models.world_model import WorldModel, image_as_last_frame
 from .graphs import StageGraphs
 from .kv_cache import KVCache, PagedKVView
@@ -104,16 +104,16 @@ class DecodeJob:
     events: list[Any]  # CUDA events the DiT recorded for these latents (overlapped dispatch)
 
 
-def _batched_to_host(tensors: list[torch.Tensor], convert: Callable[[torch.Tensor], Any]) -> list:
-    """`convert` ([B, ...] device tensor -> [B, ...] host array) applied to each tensor of a
-    list of [1, ...] ones, with one conversion (one copy to the host, one wait) per shape
-    rather than one per tensor: a fork's branches decode together."""
+def _batched_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[1, ...] tensors -> their [...] copies on the host, with one copy (one wait for the
+    device) per shape and dtype rather than one per tensor: a fork's branches decode
+    together. Rows of one copy share its buffer."""
     out: list = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
     for idx in groups.values():
-        batch = convert(torch.cat([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]])
+        batch = (torch.cat([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]]).cpu()
         for row, i in enumerate(idx):
             out[i] = batch[row]
     return out
@@ -121,6 +121,7 @@ def _batched_to_host(tensors: list[torch.Tensor], convert: Callable[[torch.Tenso
 
 @dataclass
 class Decoded:
+    # Both are rows of one host buffer per decode batch (`_batched_to_host`).
     frames: np.ndarray  # [T, H, W, 3] uint8
     latents: torch.Tensor  # [C, F, h, w] float32 on the host
     signature: tuple  # the decoder state's after this chunk
@@ -450,10 +451,11 @@ class ModelRunner:
             if isinstance(v, BaseException):
                 results[i] = v
         done = [(i, v) for i, v in zip(todo, videos, strict=True) if not isinstance(v, BaseException)]
-        frames = _batched_to_host([v for _, v in done], to_uint8)
-        hosted = _batched_to_host([x0s[i].unsqueeze(0) for i, _ in done], lambda x: x.float().cpu())
+        # uint8 on the device first: the copies to the host move a quarter of the bytes.
+        frames = _batched_to_host([uint8_frames(v) for _, v in done])
+        hosted = _batched_to_host([x0s[i].unsqueeze(0).float() for i, _ in done])
         for (i, _), f, x in zip(done, frames, hosted, strict=True):
-            results[i] = Decoded(f, x, states[i].signature())
+            results[i] = Decoded(f.numpy(), x, states[i].signature())
         return results, time.perf_counter() - start
 
     def _decode_videos(self, latents: list[torch.Tensor], states: list[Any]) -> list:

@@ -268,8 +268,14 @@ class StreamingVAE(torch.nn.Module):
 
 def to_uint8(frames: Tensor) -> np.ndarray:
     """[B, 3, T, H, W] in [-1, 1] -> uint8 array [B, T, H, W, 3]."""
+    return uint8_frames(frames).cpu().numpy()
+
+
+def uint8_frames(frames: Tensor) -> Tensor:
+    """`to_uint8` without the copy to the host: a uint8 tensor [B, T, H, W, 3] where the
+    frames are."""
     x = ((frames.detach().float() + 1.0) / 2.0 * 255.0).round().clamp(0, 255).to(torch.uint8)
-    return x.permute(0, 2, 3, 4, 1).contiguous().cpu().numpy()
+    return x.permute(0, 2, 3, 4, 1).contiguous()
 
 
 def image_from_uint8(image: np.ndarray) -> Tensor:

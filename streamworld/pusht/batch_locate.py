@@ -87,15 +87,22 @@ class BatchFrameCost:
         self.goal_agent, self.goal_block = locate_batch(goal, weights)
         self.goal_map = box_mean_batch(weights[..., 2], 5)
 
-    def frames(self, frames: np.ndarray) -> np.ndarray:
-        """The cost of each frame of [..., S, S, 3] (uint8), in the same shape [...]."""
+    def frames(self, frames: np.ndarray, slice_frames: int = 512) -> np.ndarray:
+        """The cost of each frame of [..., S, S, 3] (uint8), in the same shape [...]. The
+        frames go `slice_frames` at a time, which bounds the float64 maps on the device
+        (about 0.5 MB a frame at 64x64)."""
         lead = frames.shape[:-3]
-        stack = torch.from_numpy(np.ascontiguousarray(frames)).to(self.device).flatten(0, len(lead) - 1)
+        stack = np.ascontiguousarray(frames).reshape(-1, *frames.shape[-3:])
+        costs = [self._costs(stack[i : i + slice_frames]) for i in range(0, len(stack), slice_frames)]
+        return np.concatenate(costs).reshape(lead)
+
+    def _costs(self, frames: np.ndarray) -> np.ndarray:
+        stack = torch.from_numpy(frames).to(self.device)
         weights = palette_weights_batch(stack)
         agent, block = locate_batch(stack, weights)
         shape = ((box_mean_batch(weights[..., 2], 5) - self.goal_map) ** 2).mean((1, 2))
         cost = self._distance(agent, self.goal_agent) + self._distance(block, self.goal_block)
-        return (cost + self.shape_weight * shape).reshape(lead).cpu().numpy()
+        return (cost + self.shape_weight * shape).cpu().numpy()
 
     def _distance(self, found: torch.Tensor, goal: torch.Tensor) -> torch.Tensor:
         apart = torch.hypot(found[:, 0] - goal[0, 0], found[:, 1] - goal[0, 1])

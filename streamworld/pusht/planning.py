@@ -136,6 +136,7 @@ class FrameCost:
 
     def many(self, candidates: np.ndarray) -> np.ndarray:
         """The costs [K] of candidates [K, H, S, S, 3]."""
+        candidates = np.asarray(candidates)
         if self.batch is None:
             return np.array([self(c) for c in candidates])
         if self.mode == "last":

@@ -358,6 +358,14 @@ def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     assert all(row["seconds_per_plan"] > 0 for row in report["modes"].values())
     bad = subprocess.run([*cmd, "--repeats", "0"], cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--repeats and --fork must be at least 1" in bad.stderr
+    # The default: NumPy frame by frame on the host, as `eval --plan` on a CPU.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_cost", root / "benchmarks" / "plan_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.measure(2, 3, 1)
+    assert set(rows) == set(COST_FRAMES) and all(row["seconds_per_plan"] > 0 for row in rows.values())
 
 
 def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):

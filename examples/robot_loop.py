@@ -151,10 +151,12 @@ async def run(args: argparse.Namespace) -> int:
     async with open_session(args, first) as client:
         info = client.info
         if (info.width, info.height) != (64, 64):
-            print(f"error: the server's pusht model makes {info.width}x{info.height} frames; expected 64x64")
+            print(
+                f"error: the server's {info.model} model makes {info.width}x{info.height} frames, not 64x64"
+            )
             return 1
         print(
-            f"session {info.session_id}: pusht, kv_mode {info.kv_mode}, "
+            f"session {info.session_id}: {info.model}, kv_mode {info.kv_mode}, "
             f"{info.frames_per_chunk} frames per chunk at {info.fps} fps"
         )
         print(" chunk  frames  loop ms  server ms   PSNR dB  agent px  block px")

@@ -36,6 +36,11 @@ def pusht() -> WorldModel:
     return WorldModel.load(get_preset("pusht"))
 
 
+@pytest.fixture(scope="module")
+def pusht_delta() -> WorldModel:
+    return WorldModel.load(get_preset("pusht-delta"))
+
+
 # --- environment, policy, data -----------------------------------------------------------
 def test_frames_are_reproducible_by_seed_and_locate_finds_the_agent():
     a, scene_a = initial_frame(7)
@@ -370,11 +375,12 @@ def test_generate_cli_starts_pusht_from_the_environment(tmp_path):
 
 # --- serving and the robot loop ------------------------------------------------------------
 @pytest.fixture
-async def pusht_server(pusht):
+async def pusht_server(pusht, pusht_delta):
     # Real-time pacing (the default scheduler): the robot loop's stream is interactive, and
     # interactive streams start just in time for their playback deadlines.
     config = EngineConfig(max_streams=4)
-    server = StreamWorldServer({"pusht": pusht}, config, ServerConfig(), default_model="pusht")
+    models = {"pusht": pusht, "pusht-delta": pusht_delta}
+    server = StreamWorldServer(models, config, ServerConfig(), default_model="pusht")
     running = await RunningServer(server.build_app()).start()
     yield f"ws://127.0.0.1:{running.port}/v1/stream"
     await running.close()
@@ -418,6 +424,13 @@ async def test_robot_loop_example_runs_against_a_server(pusht_server, tmp_path, 
     with av.open(str(video)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 8 and frames[0].shape == (256, 512, 3)
+    # The same loop with the delta-trained sibling, in its default (final) mode.
+    args = robot_loop.build_parser().parse_args(
+        ["--url", pusht_server, "--chunks", "2", "--model", "pusht-delta"]
+    )
+    assert await robot_loop.run(args) == 0
+    out = capsys.readouterr().out
+    assert ": pusht-delta, kv_mode final" in out and "loop latency" in out
 
 
 async def _run_example(*args: str) -> tuple[int, str, str]:

@@ -13,7 +13,7 @@ import pytest
 from loadtests import run
 from streamworld.engine import PRIORITY_CLASSES, EngineConfig
 from streamworld.media import FORMATS as SERVER_FORMATS
-from tests.test_pusht import pusht, pusht_server  # noqa: F401 (fixtures)
+from tests.test_pusht import pusht, pusht_delta, pusht_server  # noqa: F401 (fixtures)
 from tests.test_server import models, start_server  # noqa: F401 (fixture)
 
 ROOT = Path(__file__).resolve().parents[1]

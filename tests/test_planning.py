@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,38 +333,42 @@ def test_eval_plan_simulator_refuses_model_options(capsys):
     assert "--simulator plans without the model" in capsys.readouterr().err
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _benchmark(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python benchmarks/SCRIPT ARGS` from the repository root, its output captured."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=BENCHMARKS.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     """benchmarks/plan_cost.py writes a timing for each `--cost-frames` mode, here for the
     fork-at-once PyTorch path (the timings themselves belong to the benchmark, not to this
     test)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from streamworld.pusht.planning import COST_FRAMES
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "cost.json"
-    cmd = [sys.executable, "benchmarks/plan_cost.py", "--candidates", "2", "--frames", "3"]
-    done = subprocess.run(
-        [*cmd, "--repeats", "1", "--device", "cpu", "--fork", "1", "--json", str(out)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cmd = ["plan_cost.py", "--candidates", "2", "--frames", "3"]
+    done = _benchmark(*cmd, "--repeats", "1", "--device", "cpu", "--fork", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert (report["candidates"], report["frames"], report["cost_device"], report["fork"]) == (2, 3, "cpu", 1)
     assert set(report["modes"]) == set(COST_FRAMES)
     assert all(row["seconds_per_plan"] > 0 for row in report["modes"].values())
-    bad = subprocess.run([*cmd, "--repeats", "0"], cwd=root, capture_output=True, text=True, timeout=120)
+    bad = _benchmark(*cmd, "--repeats", "0")
     assert bad.returncode == 2 and "--repeats and --fork must be at least 1" in bad.stderr
     # The default: NumPy frame by frame on the host, as `eval --plan` on a CPU.
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plan_cost", root / "benchmarks" / "plan_cost.py")
+    spec = importlib.util.spec_from_file_location("plan_cost", BENCHMARKS / "plan_cost.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.measure(2, 3, 1)
@@ -372,20 +379,10 @@ def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
     """benchmarks/plan_throughput.py forks the shipped model's stream for each size asked and
     writes one row per size (the timings belong to the benchmark, not to this test)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "throughput.json"
-    cmd = [sys.executable, "benchmarks/plan_throughput.py", "--horizon", "4", "--repeats", "1"]
-    done = subprocess.run(
-        [*cmd, "--branches", "1,2", "--warmup", "0", "--json", str(out)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = ["plan_throughput.py", "--horizon", "4", "--repeats", "1"]
+    done = _benchmark(*cmd, "--branches", "1,2", "--warmup", "0", "--json", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert (report["device"], report["horizon"], report["weights"]) == ("cpu", 4, "shipped")
@@ -393,5 +390,5 @@ def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
     for row in report["rows"]:
         assert row["min_s"] <= row["fork_s"] <= row["max_s"]
         assert row["frames_per_s"] == pytest.approx(row["branches"] * 4 / row["fork_s"], rel=0.01)
-    bad = subprocess.run([*cmd, "--branches", "2,x"], cwd=root, capture_output=True, text=True, timeout=120)
+    bad = _benchmark(*cmd, "--branches", "2,x")
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr

@@ -447,10 +447,12 @@ class ModelRunner:
             todo = [i for i in todo if finite[i]]
         latents = [x0s[i].unsqueeze(0).to(self.model.dtype) for i in todo]
         videos = self._decode_videos(latents, [states[i] for i in todo]) if todo else []
+        done = []
         for i, v in zip(todo, videos, strict=True):
             if isinstance(v, BaseException):
                 results[i] = v
-        done = [(i, v) for i, v in zip(todo, videos, strict=True) if not isinstance(v, BaseException)]
+            else:
+                done.append((i, v))
         # uint8 on the device first: the copies to the host move a quarter of the bytes.
         frames = _batched_to_host([uint8_frames(v) for _, v in done])
         hosted = _batched_to_host([x0s[i].unsqueeze(0).float() for i, _ in done])

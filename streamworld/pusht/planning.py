@@ -121,13 +121,14 @@ class FrameCost:
 
     def __init__(self, goal_frame: np.ndarray, shape_weight: float, frames: str, device: str | None) -> None:
         self.size, self.shape_weight, self.mode = goal_frame.shape[0], shape_weight, frames
-        self.goal = locate(goal_frame)
-        self.goal_block = _block_map(palette_weights(goal_frame))
         self.batch = None
-        if device is not None:
+        if device is not None:  # the goal is located there too
             from .batch_locate import BatchFrameCost
 
             self.batch = BatchFrameCost(goal_frame, shape_weight, device)
+        else:
+            self.goal = locate(goal_frame)
+            self.goal_block = _block_map(palette_weights(goal_frame))
 
     def __call__(self, candidate: np.ndarray) -> float:
         if self.batch is not None:

@@ -58,6 +58,10 @@ def test_short_chaos_run_leaves_the_server_unharmed(tmp_path):
     out = tmp_path / "chaos.json"
     command = [sys.executable, "loadtests/chaos.py", "--duration", "22", "--warmup", "4"]
     command += ["--concurrency", "6", "--long-stream", "20", "--sigterm", "--json", str(out)]
+    # 22 s cannot tell creeping memory from the allocator still warming up (windows of about
+    # 4 s; one CI run saw +12%), so the RSS trend bound here is loose; the soak run documented
+    # in loadtests/README.md checks creep with the default 10% over five-minute windows.
+    command += ["--rss-growth", "0.35"]
     command += ["--", "--threads", "1", "--frame-size", "32x32", "--max-sessions", "4", "--max-queue", "32"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.exists(), done.stdout + done.stderr

@@ -113,6 +113,8 @@ def search_config(args: argparse.Namespace) -> CEMConfig:
         keep_elites=args.keep_elites,
     )
     config.check()
+    if not 0 <= args.proposals < args.samples:
+        raise ValueError(f"--proposals must be 0 to samples - 1 ({args.samples - 1}), got {args.proposals}")
     return config
 
 
@@ -131,6 +133,7 @@ async def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         record=args.video is not None,
         cost_frames=args.cost_frames,
+        proposals=args.proposals,
     )
     position, angle = result.final_error
     outcome = "reached" if result.success else "not reached"

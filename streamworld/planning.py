@@ -85,6 +85,7 @@ async def cem(
     rng: np.random.Generator,
     mean: np.ndarray | None = None,
     keep_candidates: bool = False,
+    proposals: np.ndarray | None = None,
 ) -> Plan:
     """The cross-entropy method: sample `samples` piecewise-constant action sequences around
     the mean (first: `start` held, or `mean`, e.g. the last plan shifted), roll them all out
@@ -92,7 +93,9 @@ async def cem(
     `keep_elites` carried from the last iteration), `iterations` times. `cost` maps one
     candidate's predicted frames to a number (lower is better); a cost with a method
     `many(frames)` is given the whole fork's frames at once instead. `keep_candidates` keeps every
-    candidate's frames of the fork the plan came from (to show them)."""
+    candidate's frames of the fork the plan came from (to show them). `proposals` [P, knots,
+    action_dim] (e.g. `pusht.proposals.push_proposals`) take the places of P of the first
+    iteration's random samples, after the mean; the cost weighs them like any other."""
     config.check()
     t0 = time.perf_counter()
     knots = -(-config.horizon // config.knot_frames)
@@ -102,10 +105,13 @@ async def cem(
     carried, carried_costs = np.empty((0, knots, dim)), np.empty(0)
     best: Plan | None = None
     history = []
-    for _ in range(config.iterations):
+    proposed = _proposals(proposals, config.samples - 1, knots, dim)
+    for iteration in range(config.iterations):
         noise = colored_noise(rng, (config.samples, knots, dim), config.noise_beta)
         samples = np.clip(mu + std * noise, config.low, config.high)
         samples[0] = np.clip(mu, config.low, config.high)  # the mean itself is always tried
+        if iteration == 0 and len(proposed):
+            samples[1 : 1 + len(proposed)] = np.clip(proposed, config.low, config.high)
         candidates = np.repeat(samples, config.knot_frames, axis=1)[:, : config.horizon].astype(np.float32)
         frames = await rollouts(candidates)
         many = getattr(cost, "many", None)  # a cost may score a whole fork at once
@@ -126,6 +132,17 @@ async def cem(
     best.seconds = time.perf_counter() - t0
     best.mean = mu  # to warm-start the next plan
     return best
+
+
+def _proposals(proposals: np.ndarray | None, room: int, knots: int, dim: int) -> np.ndarray:
+    if proposals is None:
+        return np.empty((0, knots, dim))
+    proposals = np.asarray(proposals, np.float64)
+    if proposals.ndim != 3 or proposals.shape[1:] != (knots, dim):
+        raise ValueError(f"proposals must be [P, {knots}, {dim}] (knots, action_dim), got {proposals.shape}")
+    if len(proposals) > room:
+        raise ValueError(f"{len(proposals)} proposals leave no room: at most samples - 1 = {room}")
+    return proposals
 
 
 def colored_noise(rng: np.random.Generator, shape: tuple[int, ...], beta: float) -> np.ndarray:

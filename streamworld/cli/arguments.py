@@ -202,8 +202,9 @@ def check_output_folder(flag: str, path: str | None) -> None:
 
 
 def add_search_arguments(group: argparse._ActionsContainer) -> None:
-    """The planner's options after iCEM (--noise-beta, --keep-elites) and which predicted
-    frames its cost reads (--cost-frames); all off by default."""
+    """The planner's options after iCEM (--noise-beta, --keep-elites), which predicted
+    frames its cost reads (--cost-frames) and push proposals (--proposals); all off by
+    default."""
     group.add_argument(
         "--noise-beta",
         type=float,
@@ -224,4 +225,13 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         default="last",
         help="which predicted frames a candidate is scored on: its last, or its nearest to the goal (the "
         "success test holds at any step the environment passes through; default last)",
+    )
+    group.add_argument(
+        "--proposals",
+        type=int,
+        default=0,
+        help="push paths read from the observed and goal frames (go behind the block, push it toward the "
+        "goal, then to the agent's goal place) that replace this many random candidates of each plan's "
+        "first iteration; the model predicts them and the cost weighs them like the rest (at most "
+        "samples - 1; default 0)",
     )

@@ -188,6 +188,8 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
+    if not 0 <= args.proposals < args.samples:
+        raise UsageError(f"--proposals must be 0 to samples - 1 ({args.samples - 1}), got {args.proposals}")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
     if args.teacher_forced:
@@ -269,6 +271,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "execute": args.execute or config.horizon,
             "cost_frames": args.cost_frames,
             "cost_device": cost_device or "host",
+            "proposals": args.proposals,
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
             "episodes": [r.to_json() for r in results],
@@ -292,6 +295,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
                 seed=seed,
                 cost_frames=args.cost_frames,
                 cost_device=cost_device,
+                proposals=args.proposals,
             )
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")

@@ -35,6 +35,7 @@ import numpy as np
 from ..planning import CEMConfig, Plan, Rollouts, cem
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
+from .proposals import push_proposals
 from .world import PushTWorld, Scene, box_mean, locate, palette_weights
 
 GOAL_STEPS = 25
@@ -221,6 +222,7 @@ async def run_episode(
     record: bool = False,
     cost_frames: str = "last",
     cost_device: str | None = None,
+    proposals: int = 0,
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame, run the plan's
     first `execute` actions (default: the whole horizon) in the real environment, and again,
@@ -230,7 +232,8 @@ async def run_episode(
     the real environment, which `SimulatorRollouts` copies), or from the awaitable it
     returns; their `close()`, if any, is called after the plan, and awaited if it returns an
     awaitable. `cost_frames`: which predicted frames the cost reads, and `cost_device`
-    where it reads them (`frame_cost`)."""
+    where it reads them (`frame_cost`). `proposals`: this many push paths read from the
+    observed and goal frames join each plan's first iteration (`proposals.push_proposals`)."""
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
@@ -243,8 +246,9 @@ async def run_episode(
             if inspect.isawaitable(rollouts):  # e.g. ClientRollouts.start: a session to open
                 rollouts = await rollouts
             try:
+                proposed = push_proposals(frame, task.goal_frame, _knots(config), proposals)
                 plan: Plan = await cem(
-                    rollouts, cost, np.array(world.scene.agent), config, rng, mean, keep_candidates=record
+                    rollouts, cost, np.array(world.scene.agent), config, rng, mean, record, proposed
                 )
             finally:
                 closed = getattr(rollouts, "close", lambda: None)()
@@ -268,6 +272,10 @@ async def run_episode(
     finally:
         world.close()
     return result
+
+
+def _knots(config: CEMConfig) -> int:
+    return -(-config.horizon // config.knot_frames)
 
 
 def _shifted(mean: np.ndarray | None, executed: int, knot_frames: int) -> np.ndarray | None:

@@ -28,7 +28,7 @@ from .world import FPS, WORLD_SIZE, PushTWorld, Scene, _pixel_centres, locate, p
 _BAR = (-60.0, 60.0, 0.0, 30.0)  # x0, x1, y0, y1
 _STEM = (-15.0, 15.0, 30.0, 120.0)
 _AREA = 120.0 * 30.0 + 30.0 * 90.0
-_CENTROID_Y = (3600.0 * 15.0 + 2700.0 * 75.0) / _AREA  # the T's area centroid is (0, this)
+T_CENTROID_Y = (3600.0 * 15.0 + 2700.0 * 75.0) / _AREA  # the T's area centroid is (0, this)
 _FILL = 0.6
 # Fits of true frames have mismatches up to 0.16 (0.12 at the median); blocks the shipped
 # model has dissolved into a grey blob, 0.45 and more, fitted at arbitrary angles.
@@ -74,7 +74,7 @@ def _fit(
     angles = np.deg2rad(np.arange(0.0, 360.0, 3.0))
     c, s = np.cos(angles), np.sin(angles)
     # The body position that puts the T's area centroid (0, d) on `centroid`: minus R(a) (0, d).
-    d = _CENTROID_Y
+    d = T_CENTROID_Y
     poses = np.stack([centroid[0] + s * d, centroid[1] - c * d, angles], 1)
     best = poses[int(np.argmin(errors(poses)))]
     step = np.array([unit / 2, unit / 2, np.deg2rad(1.5)])

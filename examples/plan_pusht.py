@@ -34,6 +34,7 @@ from streamworld.cli.eval import PUSHT_MODELS
 from streamworld.client import StreamWorldError
 from streamworld.planning import CEMConfig, ClientRollouts
 from streamworld.pusht.planning import make_task, run_episode, state_error
+from streamworld.pusht.proposals import check_count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,8 +114,7 @@ def search_config(args: argparse.Namespace) -> CEMConfig:
         keep_elites=args.keep_elites,
     )
     config.check()
-    if not 0 <= args.proposals < args.samples:
-        raise ValueError(f"--proposals must be 0 to samples - 1 ({args.samples - 1}), got {args.proposals}")
+    check_count(args.proposals, args.samples)
     return config
 
 

@@ -509,7 +509,8 @@ async def test_plan_pusht_example_plans_through_a_server(pusht_server, tmp_path,
     video = tmp_path / "plan.mp4"
     args = plan_pusht.build_parser().parse_args(
         ["--url", pusht_server, "--samples", "3", "--iterations", "2", "--horizon", "4", "--budget", "4",
-         "--noise-beta", "2", "--keep-elites", "1", "--cost-frames", "best", "--video", str(video)]
+         "--noise-beta", "2", "--keep-elites", "1", "--cost-frames", "best", "--proposals", "2",
+         "--video", str(video)]
     )  # fmt: skip
     assert await plan_pusht.run(args) == 0
     out = capsys.readouterr().out
@@ -522,6 +523,8 @@ async def test_plan_pusht_example_plans_through_a_server(pusht_server, tmp_path,
     assert plan_pusht.main(["--samples", "1"]) == 2
     assert plan_pusht.main(["--keep-elites", "5"]) == 2  # more than the 4 elites
     assert "keep_elites <= elites" in capsys.readouterr().err
+    assert plan_pusht.main(["--samples", "4", "--proposals", "4"]) == 2
+    assert "--proposals must be 0 to 3" in capsys.readouterr().err
 
 
 def test_plan_video_shows_the_candidates_with_the_chosen_one_framed():

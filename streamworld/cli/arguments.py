@@ -230,8 +230,8 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         "--proposals",
         type=int,
         default=0,
-        help="push paths read from the observed and goal frames (go behind the block, push it toward the "
-        "goal, then to the agent's goal place) that replace this many random candidates of each plan's "
-        "first iteration; the model predicts them and the cost weighs them like the rest (at most "
-        "samples - 1; default 0)",
+        help="up to this many push paths, read from the observed and goal frames (round the block if need "
+        "be, behind it, push it toward the goal, then to the agent's goal place), take the places of random "
+        "candidates in each plan's first iteration; the model predicts them and the cost weighs them like "
+        "the rest (0-7, fewer than --samples; default 0)",
     )

@@ -188,8 +188,12 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
-    if not 0 <= args.proposals < args.samples:
-        raise UsageError(f"--proposals must be 0 to samples - 1 ({args.samples - 1}), got {args.proposals}")
+    from ..pusht.proposals import check_count
+
+    try:
+        check_count(args.proposals, args.samples)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise UsageError(f"--cuda-graphs needs a CUDA --device, not {args.device}")
     if args.teacher_forced:

@@ -17,6 +17,8 @@ episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.
   so carries its angle. The model predicts frames only, and the cost reads frames only.
   With `cost_frames="best"` a candidate is scored on its frame nearest the goal instead of
   its last, since the success test holds at whichever step the environment reaches it.
+- **Proposals.** Optionally (`run_episode(proposals=N)`, `--proposals N`), push paths laid
+  out from the observed and goal frames (`proposals.py`) join each plan's first iteration.
 
 Actions are the agent's target position in world units, as in gym-pusht (DINO-WM moves the
 target relative to the agent instead).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -35,7 +38,7 @@ import numpy as np
 from ..planning import CEMConfig, Plan, Rollouts, cem
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
-from .proposals import push_proposals
+from .proposals import PushProposals
 from .world import PushTWorld, Scene, box_mean, locate, palette_weights
 
 GOAL_STEPS = 25
@@ -233,29 +236,34 @@ async def run_episode(
     returns; their `close()`, if any, is called after the plan, and awaited if it returns an
     awaitable. `cost_frames`: which predicted frames the cost reads, and `cost_device`
     where it reads them (`frame_cost`). `proposals`: this many push paths read from the
-    observed and goal frames join each plan's first iteration (`proposals.push_proposals`)."""
+    observed and goal frames join each plan's first iteration (`proposals.PushProposals`;
+    the time they take counts in the plan's)."""
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
     cost = frame_cost(task.goal_frame, frames=cost_frames, device=cost_device)
     result = EpisodeResult(task.seed, reached(world.scene, task.goal), 0, 0, frames=[frame] if record else [])
     mean = None
+    propose = PushProposals(task.goal_frame, proposals) if proposals else None
     try:
         while not result.success and result.steps < budget:
+            t0 = time.perf_counter()
+            proposed = propose(frame, _knots(config)) if propose else None
+            proposing = time.perf_counter() - t0  # counted in the plan's time
             rollouts = rollouts_for(frame, world)
             if inspect.isawaitable(rollouts):  # e.g. ClientRollouts.start: a session to open
                 rollouts = await rollouts
             try:
-                proposed = push_proposals(frame, task.goal_frame, _knots(config), proposals)
+                start = np.array(world.scene.agent)
                 plan: Plan = await cem(
-                    rollouts, cost, np.array(world.scene.agent), config, rng, mean, record, proposed
+                    rollouts, cost, start, config, rng, mean, keep_candidates=record, proposals=proposed
                 )
             finally:
                 closed = getattr(rollouts, "close", lambda: None)()
                 if inspect.isawaitable(closed):
                     await closed
             result.plans += 1
-            result.plan_seconds.append(plan.seconds)
+            result.plan_seconds.append(plan.seconds + proposing)
             result.branches += plan.branches
             if record:
                 result.recorded_plans.append(plan)

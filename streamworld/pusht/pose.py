@@ -48,6 +48,16 @@ def _box_distance(u: np.ndarray, v: np.ndarray, box: tuple[float, float, float, 
     return outside + np.minimum(np.maximum(dx, dy), 0.0)
 
 
+def block_distance(block: tuple[float, float, float], points: np.ndarray) -> np.ndarray:
+    """Signed distance (world units, negative inside) from world points [..., 2] to the T at
+    pose `block` (x, y, angle)."""
+    x, y, a = block
+    c, s = np.cos(a), np.sin(a)
+    dx, dy = points[..., 0] - x, points[..., 1] - y
+    u, v = c * dx + s * dy, -s * dx + c * dy  # world to body: R(-a) (w - p)
+    return np.minimum(_box_distance(u, v, _BAR), _box_distance(u, v, _STEM))
+
+
 def draw_block(poses: np.ndarray, xs: np.ndarray, ys: np.ndarray, unit: float) -> np.ndarray:
     """[N, *xs.shape]: how much of each pixel (centres xs, ys in world units, `unit` world
     units a pixel) the T covers at each pose (x, y, angle) of `poses` [N, 3]."""

@@ -46,6 +46,11 @@ class CEMConfig:
     noise_beta: float = 0.0
     keep_elites: int = 0
 
+    @property
+    def knots(self) -> int:
+        """Held targets per candidate: the horizon in steps of `knot_frames`, rounded up."""
+        return -(-self.horizon // self.knot_frames)
+
     def check(self) -> None:
         if self.horizon < 1 or self.samples < 2 or not 1 <= self.elites <= self.samples:
             raise ValueError("need horizon >= 1, samples >= 2 and 1 <= elites <= samples")
@@ -94,11 +99,11 @@ async def cem(
     candidate's predicted frames to a number (lower is better); a cost with a method
     `many(frames)` is given the whole fork's frames at once instead. `keep_candidates` keeps every
     candidate's frames of the fork the plan came from (to show them). `proposals` [P, knots,
-    action_dim] (e.g. `pusht.proposals.push_proposals`) take the places of P of the first
+    action_dim] (e.g. `pusht.proposals.PushProposals`) take the places of P of the first
     iteration's random samples, after the mean; the cost weighs them like any other."""
     config.check()
     t0 = time.perf_counter()
-    knots = -(-config.horizon // config.knot_frames)
+    knots = config.knots
     dim = len(start)
     mu = np.repeat(np.asarray(start, np.float64)[None], knots, 0) if mean is None else mean.astype(np.float64)
     std = np.full((knots, dim), config.init_std)

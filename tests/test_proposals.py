@@ -18,7 +18,6 @@ from streamworld.pusht.proposals import (
     block_middle,
     check_count,
     push_path,
-    push_proposals,
 )
 from streamworld.pusht.world import Scene
 
@@ -82,7 +81,7 @@ def test_proposals_carry_blocks_toward_their_goals_in_the_true_environment():
             continue
         pushes += 1
         after = []
-        for proposal in push_proposals(frame, task.goal_frame, knots=6, count=3):
+        for proposal in PushProposals(task.goal_frame, 3)(frame, knots=6):
             twin = world.replica()
             for action in np.repeat(proposal, 4, axis=0):
                 twin.step(action)
@@ -98,8 +97,8 @@ def test_proposals_carry_blocks_toward_their_goals_in_the_true_environment():
 def test_frames_that_cannot_be_read_give_no_proposal():
     task = make_task(100, 64)
     blank = np.full_like(task.goal_frame, 255)
-    assert push_proposals(blank, task.goal_frame, 6, 4).shape == (0, 6, 2)
-    assert push_proposals(task.goal_frame, blank, 6, 4).shape == (0, 6, 2)
+    assert PushProposals(task.goal_frame, 4)(blank, 6).shape == (0, 6, 2)
+    assert PushProposals(blank, 4)(task.goal_frame, 6).shape == (0, 6, 2)
     assert PushProposals(task.goal_frame, 0)(task.goal_frame, 6).shape == (0, 6, 2)
 
 
@@ -140,7 +139,7 @@ async def test_an_episode_rolls_its_proposals_out_beside_the_random_candidates()
         lambda frame, world: SimulatorRollouts(world), task, config, 64, budget=1, record=True, proposals=2
     )
     world, frame = task.start(64)
-    proposals = push_proposals(frame, task.goal_frame, knots=6, count=2)
+    proposals = PushProposals(task.goal_frame, 2)(frame, knots=6)
     assert len(proposals) == 2
     fork = result.recorded_plans[0].candidates
     for k, proposal in enumerate(proposals, start=1):

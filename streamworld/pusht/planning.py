@@ -248,33 +248,23 @@ async def run_episode(
     try:
         while not result.success and result.steps < budget:
             t0 = time.perf_counter()
-            proposed = propose(frame, _knots(config)) if propose else None
+            proposed = propose(frame, config.knots) if propose else None
             proposing = time.perf_counter() - t0  # counted in the plan's time
-            rollouts = rollouts_for(frame, world)
-            if inspect.isawaitable(rollouts):  # e.g. ClientRollouts.start: a session to open
-                rollouts = await rollouts
+            start = np.array(world.scene.agent)
+            rollouts = await _opened(rollouts_for(frame, world))
             try:
-                start = np.array(world.scene.agent)
                 plan: Plan = await cem(
                     rollouts, cost, start, config, rng, mean, keep_candidates=record, proposals=proposed
                 )
             finally:
-                closed = getattr(rollouts, "close", lambda: None)()
-                if inspect.isawaitable(closed):
-                    await closed
+                await _close(rollouts)
             result.plans += 1
             result.plan_seconds.append(plan.seconds + proposing)
             result.branches += plan.branches
             if record:
                 result.recorded_plans.append(plan)
-            for action in plan.actions[: min(execute, budget - result.steps)]:
-                frame = world.step(action)
-                result.steps += 1
-                if record:
-                    result.frames.append(frame)
-                if reached(world.scene, task.goal):
-                    result.success = True
-                    break
+            actions = plan.actions[: min(execute, budget - result.steps)]
+            frame = _execute(world, frame, actions, task, result, record)
             mean = _shifted(plan.mean, execute, config.knot_frames)
         result.final_error = state_error(world.scene, task.goal)
     finally:
@@ -282,8 +272,33 @@ async def run_episode(
     return result
 
 
-def _knots(config: CEMConfig) -> int:
-    return -(-config.horizon // config.knot_frames)
+def _execute(
+    world: PushTWorld, frame: np.ndarray, actions: np.ndarray, task: Task, result: EpisodeResult, record: bool
+) -> np.ndarray:
+    """Run `actions` in the real environment from `frame` until the goal is reached, counting
+    the steps in `result`; the last frame observed."""
+    for action in actions:
+        frame = world.step(action)
+        result.steps += 1
+        if record:
+            result.frames.append(frame)
+        if reached(world.scene, task.goal):
+            result.success = True
+            break
+    return frame
+
+
+async def _opened(rollouts: Rollouts | Awaitable[Rollouts]) -> Rollouts:
+    """`rollouts_for`'s answer, awaited when it is awaitable (e.g. `ClientRollouts.start`,
+    a session to open)."""
+    return await rollouts if inspect.isawaitable(rollouts) else rollouts
+
+
+async def _close(rollouts: Rollouts) -> None:
+    """`rollouts.close()`, if it has one, awaited when it returns an awaitable."""
+    closed = getattr(rollouts, "close", lambda: None)()
+    if inspect.isawaitable(closed):
+        await closed
 
 
 def _shifted(mean: np.ndarray | None, executed: int, knot_frames: int) -> np.ndarray | None:

@@ -140,9 +140,3 @@ class PushProposals:
         laid = [tuple(map(tuple, _knots(p, knots).round(3))) for p in paths if p is not None]
         unique = dict.fromkeys(laid)  # in order
         return np.clip(np.array(list(unique), np.float64).reshape(-1, knots, 2), 0.0, WORLD_SIZE)
-
-
-def push_proposals(frame: np.ndarray, goal_frame: np.ndarray, knots: int, count: int) -> np.ndarray:
-    """`PushProposals(goal_frame, count)(frame, knots)`: push paths from `frame` toward
-    `goal_frame` laid out over `knots` held targets."""
-    return PushProposals(goal_frame, count)(frame, knots)

@@ -230,8 +230,9 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         "--proposals",
         type=int,
         default=0,
-        help="up to this many push paths, read from the observed and goal frames (round the block if need "
-        "be, behind it, push it toward the goal, then to the agent's goal place), take the places of random "
-        "candidates in each plan's first iteration; the model predicts them and the cost weighs them like "
-        "the rest (0-7, fewer than --samples; default 0)",
+        help="up to this many paths, read from the observed and goal frames, take the places of random "
+        "candidates in each plan's first iteration: pushes (round the block if need be, behind it, push it "
+        "toward the goal, then to the agent's goal place) and turns (push one end of the T across, for a "
+        "block near its goal but turned away from it; these come first then); the model predicts them and "
+        "the cost weighs them like the rest (0-10, fewer than --samples; default 0)",
     )

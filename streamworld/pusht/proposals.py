@@ -14,9 +14,12 @@ fit (`pose.estimate_scene`), and a few such paths are laid out:
    as the goal's middle lies;
 4. the agent's place in the goal frame.
 
-Variants turn the push a little or push off-centre (the block then turns). A block that
-only needs turning, its middle already in place, gets the agent's goal place alone: these
-paths do not turn blocks on the spot. They are only proposals: they join the first
+Variants turn the push a little or push off-centre (the block then turns). A block whose
+middle is near its goal's but turned away from it gets **turns** first: the agent goes to
+one of the T's three ends (a bar tip or the stem's tip), beside it, and pushes it across
+the line from the middle, about the arc the end must travel, then goes to its goal place;
+legs that would touch the block go by one waypoint clear of it. They are only proposals:
+they join the first
 iteration's candidates, the world model predicts them like any other, and the cost decides
 (`cem(..., proposals=...)`). Nothing here looks at the true state: the scenes come from
 the frames, and a frame whose block is not a T (`MAX_MISMATCH`) gives no proposal.
@@ -32,6 +35,10 @@ from .world import WORLD_SIZE, Scene
 AGENT_RADIUS = 15.0  # world units (gym-pusht's agent circle)
 CLEARANCE = 12.0  # between the agent and the block while it goes behind it
 STILL = 10.0  # a goal block's middle within this of the block's needs no push
+NEAR = 30.0  # within this, a turned block gets turns before pushes
+TURN = np.radians(10.0)  # a block turned less than this from its goal needs no turn
+# The T's three ends in body coordinates (the bar's tips, the stem's tip) that turns push.
+ENDS = ((-60.0, 15.0), (60.0, 15.0), (0.0, 120.0))
 # (turn of the push direction in radians, offset across it in world units), in the order
 # they are proposed.
 VARIANTS = ((0.0, 0.0), (0.0, 20.0), (0.0, -20.0), (0.35, 0.0), (-0.35, 0.0), (0.0, 40.0), (0.0, -40.0))
@@ -39,11 +46,12 @@ VARIANTS = ((0.0, 0.0), (0.0, 20.0), (0.0, -20.0), (0.35, 0.0), (-0.35, 0.0), (0
 
 def check_count(count: int, samples: int) -> None:
     """ValueError unless `count` proposals fit a search of `samples` candidates: 0 to the
-    number of `VARIANTS`, and fewer than the samples (the mean takes one place)."""
-    most = min(len(VARIANTS), samples - 1)
+    number of pushes and turns (`VARIANTS`, `ENDS`), and fewer than the samples (the mean
+    takes one place)."""
+    most = min(len(VARIANTS) + len(ENDS), samples - 1)
     if not 0 <= count <= most:
         raise ValueError(
-            f"--proposals must be 0 to {most} (at most {len(VARIANTS)} paths, and fewer than the "
+            f"--proposals must be 0 to {most} (at most {len(VARIANTS) + len(ENDS)} paths, and fewer than the "
             f"{samples} samples), got {count}"
         )
 
@@ -110,6 +118,55 @@ def push_path(now: Scene, goal: Scene, turn: float = 0.0, offset: float = 0.0) -
     return [*detour, behind, (behind + through) / 2, through, agent_goal]
 
 
+def _via(block: tuple[float, float, float], a: np.ndarray, b: np.ndarray) -> list[np.ndarray] | None:
+    """No waypoint ([]) when the agent walks from `a` to `b` clear of the block; else the
+    one waypoint round it (on rings about its middle, inside the world) with the shortest
+    way whose two legs stay clear; None when there is none."""
+    if _clear(block, a, b):
+        return []
+    angles = np.linspace(0.0, 2 * np.pi, 24, endpoint=False)
+    ring = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    points = block_middle(block) + np.concatenate([ring * r for r in (100.0, 130.0, 160.0)])
+    inside = ((points >= AGENT_RADIUS) & (points <= WORLD_SIZE - AGENT_RADIUS)).all(axis=1)
+    ways = [
+        (float(np.linalg.norm(p - a) + np.linalg.norm(b - p)), i)
+        for i, p in enumerate(points)
+        if inside[i] and _clear(block, a, p) and _clear(block, p, b)
+    ]
+    return [points[min(ways)[1]]] if ways else None
+
+
+def angle_to(now: Scene, goal: Scene) -> float:
+    """The turn (radians, -pi to pi) that brings the block of `now` to the goal's angle."""
+    return float(np.angle(np.exp(1j * (goal.block[2] - now.block[2]))))
+
+
+def turn_path(now: Scene, goal: Scene, end: int) -> list[np.ndarray] | None:
+    """Waypoints (world units) of one turn of the block toward the goal's angle by its end
+    `ENDS[end]`: behind the end across the line from the block's middle, on the side the
+    turn needs, then on about the arc the end must travel, then the agent's goal place
+    (module docstring); None when the block needs no turn (`TURN`), when the push line
+    misses it or no clear way leads behind it."""
+    turn = angle_to(now, goal)
+    if abs(turn) < TURN:
+        return None
+    tip = np.array(now.block[:2]) + _turned(np.array(ENDS[end]), now.block[2])
+    lever = tip - block_middle(now.block)
+    arm = float(np.linalg.norm(lever))
+    direction = np.sign(turn) * np.array([-lever[1], lever[0]]) / arm
+    touch = _contact(now.block, tip, direction)
+    if touch is None:
+        return None
+    behind = tip + direction * (touch - CLEARANCE)
+    through = tip + direction * (touch + arm * abs(turn))
+    agent_goal = np.asarray(goal.agent, np.float64)
+    there = _via(now.block, np.asarray(now.agent, np.float64), behind)
+    if there is None:
+        return None
+    back = _via(goal.block, through, agent_goal) or []  # the turned block is near the goal's pose
+    return [*there, behind, through, *back, agent_goal]
+
+
 def _knots(path: list[np.ndarray], knots: int) -> np.ndarray:
     """The waypoints held in turn over `knots` knots: each gets an equal share, the last the
     rest; a path longer than the knots keeps its first ones."""
@@ -122,13 +179,21 @@ def _knots(path: list[np.ndarray], knots: int) -> np.ndarray:
 
 
 class PushProposals:
-    """Up to `count` push paths (the first `count` of `VARIANTS`, fewer where two coincide or
-    an offset misses the block) toward one goal frame: its scene is read once;
+    """Up to `count` paths toward one goal frame: the pushes of `VARIANTS` and the turns of
+    `ENDS`, turns first where the block's middle is within `NEAR` of the goal's; paths that
+    miss the block or coincide are left out. The goal's scene is read once;
     `proposals(frame, knots)` lays them out from each observed frame."""
 
     def __init__(self, goal_frame: np.ndarray, count: int) -> None:
         self.count = count
         self.goal = estimate_scene(goal_frame) if self.count > 0 else None
+
+    def paths(self, now: Scene) -> list[list[np.ndarray]]:
+        """Every push and turn path from scene `now`, in the order they are proposed."""
+        pushes = [push_path(now, self.goal, turn, offset) for turn, offset in VARIANTS]
+        turns = [turn_path(now, self.goal, end) for end in range(len(ENDS))]
+        near = np.linalg.norm(block_middle(self.goal.block) - block_middle(now.block)) < NEAR
+        return [p for p in (turns + pushes if near else pushes + turns) if p is not None]
 
     def __call__(self, frame: np.ndarray, knots: int) -> np.ndarray:
         """Proposals [P, knots, 2] (world units, within the world), P <= count; none
@@ -136,7 +201,6 @@ class PushProposals:
         now = estimate_scene(frame) if self.goal is not None else None
         if now is None:
             return np.empty((0, knots, 2))
-        paths = [push_path(now, self.goal, turn, offset) for turn, offset in VARIANTS[: self.count]]
-        laid = [tuple(map(tuple, _knots(p, knots).round(3))) for p in paths if p is not None]
-        unique = dict.fromkeys(laid)  # in order
-        return np.clip(np.array(list(unique), np.float64).reshape(-1, knots, 2), 0.0, WORLD_SIZE)
+        laid = [tuple(map(tuple, _knots(p, knots).round(3))) for p in self.paths(now)]
+        unique = list(dict.fromkeys(laid))[: self.count]  # in order
+        return np.clip(np.array(unique, np.float64).reshape(-1, knots, 2), 0.0, WORLD_SIZE)

@@ -392,3 +392,74 @@ def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
         assert row["frames_per_s"] == pytest.approx(row["branches"] * 4 / row["fork_s"], rel=0.01)
     bad = _benchmark(*cmd, "--branches", "2,x")
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
+
+
+def _load_benchmark(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plan_ranking_benchmark_finds_the_pick_the_truths_best_and_the_regret():
+    """benchmarks/plan_ranking.py's bookkeeping on two made-up forks: the model's pick is the
+    first least model cost over the forks (as `cem` keeps it), the best by the truth the least
+    true cost, and their origins and iterations are where they sat."""
+    bench = _load_benchmark("plan_ranking")
+    assert bench.spearman(np.array([1.0, 2.0, 3.0]), np.array([10.0, 20.0, 30.0])) == pytest.approx(1.0)
+    assert bench.spearman(np.array([1.0, 2.0, 3.0]), np.array([3.0, 2.0, 1.0])) == pytest.approx(-1.0)
+    forks = [
+        {
+            "model_costs": np.array([5.0, 1.0, 4.0]),
+            "true_costs": np.array([6.0, 9.0, 2.0]),
+            "reaches": [False, False, True],
+            "distances": [50.0, 80.0, 5.0],
+            "origins": bench.origins(0, 3, 1),
+        },
+        {
+            "model_costs": np.array([1.0, 3.0, 2.0]),
+            "true_costs": np.array([7.0, 3.0, 8.0]),
+            "reaches": [False, False, False],
+            "distances": [40.0, 30.0, 60.0],
+            "origins": bench.origins(1, 3, 1),
+        },
+    ]
+    row = bench.summarise(7, forks, start=60.0)
+    assert forks[0]["origins"] == ["mean", "proposal", "random"]
+    assert row["pick"] == {
+        "origin": "proposal",
+        "iteration": 0,
+        "true_cost": 9.0,
+        "block_distance": 80.0,
+        "reaches": False,
+    }
+    assert row["best_by_truth"] == {
+        "origin": "random",
+        "iteration": 0,
+        "true_cost": 2.0,
+        "block_distance": 5.0,
+    }
+    assert row["regret"] == 7.0 and row["some_candidate_reaches"] and row["proposals_reaching"] == 0
+    assert row["spearman_per_fork"] == [-0.5, -0.5]
+    totals = bench.totals([row])
+    assert totals["picks_from"] == {"mean": 0, "proposal": 1, "random": 0}
+    assert totals["pushes_where_the_pick_brings_the_block_nearer"] == 0 and totals["pick_reaches"] == 0
+
+
+def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(tmp_path):
+    """One tiny plan end to end with the shipped model; a bad count of proposals is a usage
+    error."""
+    import json
+
+    out = tmp_path / "ranking.json"
+    cmd = ["plan_ranking.py", "--seeds", "3", "--samples", "3", "--elites", "2", "--iterations", "1"]
+    done = _benchmark(*cmd, "--proposals", "1", "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    (row,) = report["tasks"]
+    assert report["totals"]["tasks"] == 1 and len(row["spearman_per_fork"]) == 1
+    assert row["regret"] >= 0 and row["pick"]["iteration"] == 0
+    bad = _benchmark(*cmd, "--proposals", "3")
+    assert bad.returncode == 2 and "--proposals must be 0 to 2" in bad.stderr

@@ -1,0 +1,240 @@
+"""How well the world model ranks a plan's candidates: the model's cost against the truth.
+
+The planner acts on the candidate whose predicted frames its cost likes best, so what a
+model is worth to it is how well it orders candidates, more than how far its pixels are
+off. For the first plan of each task (`eval pusht --plan`'s tasks, search and cost), every
+candidate of every fork is rolled out twice: by the model, as the planner does, and in the
+true environment from the same state. Per task it reports:
+
+- the Spearman rank correlation of the two costs over each fork's candidates (1: the
+  model orders them as the truth does);
+- the model's pick (the candidate the plan acts on): where it came from (the mean, a
+  proposal, a random sample; which iteration), its true cost and the true distance of
+  the block's middle to the goal's after it, against the start's;
+- the best candidate by the truth, its origin, and the regret (the pick's true cost less
+  the least true cost among the plan's candidates);
+- whether some candidate truly reaches the goal during its 24 steps, and whether the
+  pick does.
+
+    python benchmarks/plan_ranking.py --model pusht-delta --proposals 6 --seeds 0-19 --json ranking.json
+
+On a CPU the model's rollouts take most of the time: one plan of 16 x 3 is about 40 s on
+one core of a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
+from streamworld.models import get_preset
+from streamworld.planning import CEMConfig, EngineRollouts, cem
+from streamworld.pusht.evaluate import parse_seeds
+from streamworld.pusht.planning import frame_cost, make_task, reached
+from streamworld.pusht.proposals import PushProposals, block_middle, check_count
+
+
+def ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 0..n-1 of `values` (ties broken by order, which costs of floats rarely need)."""
+    out = np.empty(len(values))
+    out[np.argsort(values, kind="stable")] = np.arange(len(values))
+    return out
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation of two equal-length arrays."""
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
+
+
+def true_rollouts(world, candidates: np.ndarray, goal) -> tuple[np.ndarray, list[bool], list[float]]:
+    """Every candidate run in a replica of `world`: its frames, whether it reaches `goal` at
+    some step, and the block middle's distance to the goal's at its end."""
+    size = world.size
+    frames = np.empty((*candidates.shape[:2], size, size, 3), np.uint8)
+    reaches, distances = [], []
+    for k, actions in enumerate(candidates):
+        twin = world.replica()
+        hit = False
+        for h, action in enumerate(actions):
+            frames[k, h] = twin.step(action)
+            hit = hit or reached(twin.scene, goal)
+        reaches.append(hit)
+        distances.append(float(np.linalg.norm(block_middle(twin.scene.block) - block_middle(goal.block))))
+        twin.close()
+    return frames, reaches, distances
+
+
+def origins(iteration: int, samples: int, proposals: int) -> list[str]:
+    """Where each candidate of a fork came from (`cem`: the mean first, then the proposals in
+    the first iteration, then random samples)."""
+    if iteration == 0:
+        return ["mean"] + ["proposal"] * proposals + ["random"] * (samples - 1 - proposals)
+    return ["mean"] + ["random"] * (samples - 1)
+
+
+async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposals: int) -> dict:
+    """One task's first plan, every fork scored by the model and by the truth."""
+    task = make_task(seed, engine.model.config.height)
+    world, frame = task.start(engine.model.config.height)
+    cost = frame_cost(task.goal_frame)
+    proposed = PushProposals(task.goal_frame, proposals)(frame, config.knots) if proposals else None
+    forks = []
+
+    async def rollouts(candidates: np.ndarray) -> np.ndarray:
+        frames = await model(candidates)
+        true_frames, reaches, distances = true_rollouts(world, candidates, task.goal)
+        forks.append(
+            {
+                "model_costs": cost.many(frames),
+                "true_costs": cost.many(true_frames),
+                "reaches": reaches,
+                "distances": distances,
+                "origins": origins(len(forks), config.samples, 0 if proposed is None else len(proposed)),
+            }
+        )
+        return frames
+
+    model = EngineRollouts(engine, frame, seed)
+    try:
+        rng = np.random.default_rng(seed)
+        await cem(rollouts, cost, np.array(world.scene.agent), config, rng, proposals=proposed)
+    finally:
+        model.close()
+    start = float(np.linalg.norm(block_middle(world.scene.block) - block_middle(task.goal.block)))
+    world.close()
+    return summarise(seed, forks, start)
+
+
+def summarise(seed: int, forks: list[dict], start: float) -> dict:
+    """The report of one plan (module docstring) from its logged forks."""
+    flat = {
+        k: np.concatenate([np.asarray(f[k], dtype=object if k == "origins" else None) for f in forks])
+        for k in forks[0]
+    }
+    iteration = np.concatenate([np.full(len(f["origins"]), i) for i, f in enumerate(forks)])
+    pick = int(np.argmin(flat["model_costs"]))  # cem keeps the first least cost
+    best = int(np.argmin(flat["true_costs"]))
+    return {
+        "seed": seed,
+        "spearman_per_fork": [round(spearman(f["model_costs"], f["true_costs"]), 3) for f in forks],
+        "start_block_distance": round(start, 1),
+        "pick": {
+            "origin": flat["origins"][pick],
+            "iteration": int(iteration[pick]),
+            "true_cost": round(float(flat["true_costs"][pick]), 2),
+            "block_distance": round(float(flat["distances"][pick]), 1),
+            "reaches": bool(flat["reaches"][pick]),
+        },
+        "best_by_truth": {
+            "origin": flat["origins"][best],
+            "iteration": int(iteration[best]),
+            "true_cost": round(float(flat["true_costs"][best]), 2),
+            "block_distance": round(float(flat["distances"][best]), 1),
+        },
+        "regret": round(float(flat["true_costs"][pick] - flat["true_costs"][best]), 2),
+        "some_candidate_reaches": bool(np.any(flat["reaches"])),
+        "proposals_reaching": int(
+            sum(r for r, o in zip(flat["reaches"], flat["origins"], strict=True) if o == "proposal")
+        ),
+    }
+
+
+def totals(rows: list[dict]) -> dict:
+    """What the rows add up to."""
+    pushes = [r for r in rows if r["start_block_distance"] >= 10.0]
+    return {
+        "tasks": len(rows),
+        "spearman_mean": round(float(np.mean([s for r in rows for s in r["spearman_per_fork"]])), 3),
+        "regret_median": round(float(np.median([r["regret"] for r in rows])), 2),
+        "picks_from": {
+            o: sum(r["pick"]["origin"] == o for r in rows) for o in ("mean", "proposal", "random")
+        },
+        "pushes": len(pushes),
+        "pushes_where_the_pick_brings_the_block_nearer": sum(
+            r["pick"]["block_distance"] < r["start_block_distance"] for r in pushes
+        ),
+        "some_candidate_reaches": sum(r["some_candidate_reaches"] for r in rows),
+        "pick_reaches": sum(r["pick"]["reaches"] for r in rows),
+    }
+
+
+def search(args: argparse.Namespace) -> CEMConfig:
+    """The search of the arguments (the planner's horizon and knots)."""
+    return CEMConfig(
+        samples=args.samples,
+        elites=args.elites,
+        iterations=args.iterations,
+        noise_beta=args.noise_beta,
+        keep_elites=args.keep_elites,
+    )
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from streamworld.cli.loading import LoadOptions, load_world_model
+    from streamworld.models.world_model import WeightPaths
+
+    config = search(args)
+    model = load_world_model(
+        get_preset(args.model), WeightPaths(), LoadOptions(device=args.device, dtype="float32")
+    )
+    engine_config = EngineConfig(
+        ttff_budget_s=1e3,
+        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, config.samples)),
+        max_streams=config.samples + 1,
+        max_fork_branches=config.samples,
+    )
+    rows = []
+    async with AsyncEngine(model, engine_config) as engine:
+        for seed in args.seeds:
+            rows.append(await first_plan(engine, seed, config, args.proposals))
+            print(json.dumps(rows[-1]), flush=True)
+    return {
+        "benchmark": "plan_ranking",
+        "model": args.model,
+        "device": args.device,
+        "proposals": args.proposals,
+        "cem": vars(config),
+        "machine": platform.machine(),
+        "python": sys.version.split()[0],
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "totals": totals(rows),
+        "tasks": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="pusht-delta", choices=["pusht", "pusht-delta"])
+    parser.add_argument(
+        "--seeds", type=parse_seeds, default=parse_seeds("0-19"), help="task seeds (default 0-19)"
+    )
+    parser.add_argument("--proposals", type=int, default=6, help="push and turn proposals (default 6)")
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--elites", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--noise-beta", type=float, default=2.0)
+    parser.add_argument("--keep-elites", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args()
+    try:
+        check_count(args.proposals, args.samples)
+        search(args).check()
+    except ValueError as e:
+        parser.error(str(e))
+    report = asyncio.run(run(args))
+    print(json.dumps(report["totals"], indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

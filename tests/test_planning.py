@@ -461,5 +461,7 @@ def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(
     (row,) = report["tasks"]
     assert report["totals"]["tasks"] == 1 and len(row["spearman_per_fork"]) == 1
     assert row["regret"] >= 0 and row["pick"]["iteration"] == 0
+    assert row["final_mean"]["true_cost"] >= 0 and isinstance(row["final_mean"]["reaches"], bool)
+    assert report["totals"]["final_mean_reaches"] == int(row["final_mean"]["reaches"])
     bad = _benchmark(*cmd, "--proposals", "3")
     assert bad.returncode == 2 and "--proposals must be 0 to 2" in bad.stderr

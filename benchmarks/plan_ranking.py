@@ -227,18 +227,26 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="pusht-delta", choices=["pusht", "pusht-delta"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default="pusht-delta", choices=["pusht", "pusht-delta"], help="default pusht-delta"
+    )
     parser.add_argument(
         "--seeds", type=parse_seeds, default=parse_seeds("0-19"), help="task seeds (default 0-19)"
     )
     parser.add_argument("--proposals", type=int, default=6, help="push and turn proposals (default 6)")
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--elites", type=int, default=4)
-    parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--noise-beta", type=float, default=2.0)
-    parser.add_argument("--keep-elites", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--samples", type=int, default=16, help="branches per fork (default 16)")
+    parser.add_argument("--elites", type=int, default=4, help="best candidates refitted to (default 4)")
+    parser.add_argument("--iterations", type=int, default=3, help="forks per plan (default 3)")
+    parser.add_argument(
+        "--noise-beta", type=float, default=2.0, help="colour of the sampling noise (default 2)"
+    )
+    parser.add_argument(
+        "--keep-elites", type=int, default=2, help="elites carried to the next fork (default 2)"
+    )
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args()
     try:
@@ -246,6 +254,8 @@ def main() -> None:
         search(args).check()
     except ValueError as e:
         parser.error(str(e))
+    if args.json and not args.json.parent.is_dir():
+        parser.error(f"--json: the folder {args.json.parent} does not exist")
     report = asyncio.run(run(args))
     print(json.dumps(report["totals"], indent=2))
     if args.json:

@@ -13,7 +13,7 @@ true environment from the same state. Per task it reports:
   the block's middle to the goal's after it, against the start's;
 - the best candidate by the truth, its origin, and the regret (the pick's true cost less
   the least true cost among the plan's candidates);
-- whether some candidate truly reaches the goal during its 24 steps, and whether the
+- whether some candidate truly reaches the goal during its steps (24 by default), and whether the
   pick does;
 - the final mean (`cem`'s last refit, which the next plan starts from, and which
   DINO-WM's CEM acts on instead of the cheapest candidate), run in the true environment:
@@ -183,8 +183,11 @@ def totals(rows: list[dict]) -> dict:
 
 
 def search(args: argparse.Namespace) -> CEMConfig:
-    """The search of the arguments (the planner's horizon and knots)."""
+    """The search of the arguments: by default `eval pusht --plan --noise-beta 2
+    --keep-elites 2`'s (24 steps, targets held 4 steps, 16 x 3, the 4 best)."""
     return CEMConfig(
+        horizon=args.plan_horizon,
+        knot_frames=args.knot_frames,
         samples=args.samples,
         elites=args.elites,
         iterations=args.iterations,
@@ -226,7 +229,7 @@ async def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -240,6 +243,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16, help="branches per fork (default 16)")
     parser.add_argument("--elites", type=int, default=4, help="best candidates refitted to (default 4)")
     parser.add_argument("--iterations", type=int, default=3, help="forks per plan (default 3)")
+    parser.add_argument("--plan-horizon", type=int, default=24, help="steps each plan covers (default 24)")
+    parser.add_argument("--knot-frames", type=int, default=4, help="steps a planned target holds (default 4)")
     parser.add_argument(
         "--noise-beta", type=float, default=2.0, help="colour of the sampling noise (default 2)"
     )
@@ -248,6 +253,11 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", type=Path, help="write the report here")
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
     args = parser.parse_args()
     try:
         check_count(args.proposals, args.samples)

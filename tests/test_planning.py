@@ -455,9 +455,14 @@ def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(
 
     out = tmp_path / "ranking.json"
     cmd = ["plan_ranking.py", "--seeds", "3", "--samples", "3", "--elites", "2", "--iterations", "1"]
-    done = _benchmark(*cmd, "--proposals", "1", "--json", str(out), timeout=300)
+    done = _benchmark(*cmd, "--plan-horizon", "8", "--proposals", "1", "--json", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
+    assert (report["cem"]["horizon"], report["cem"]["knot_frames"]) == (8, 4)
+    # By default the search of `eval pusht --plan --noise-beta 2 --keep-elites 2`.
+    bench = _load_benchmark("plan_ranking")
+    search = bench.search(bench.make_parser().parse_args([]))
+    assert (search.horizon, search.knot_frames, search.samples, search.iterations) == (24, 4, 16, 3)
     (row,) = report["tasks"]
     assert report["totals"]["tasks"] == 1 and len(row["spearman_per_fork"]) == 1
     assert row["regret"] >= 0 and row["pick"]["iteration"] == 0

@@ -16,6 +16,7 @@ from streamworld.pusht.proposals import (
     CLEARANCE,
     ENDS,
     PushProposals,
+    _clear,
     _knots,
     _via,
     angle_to,
@@ -23,6 +24,7 @@ from streamworld.pusht.proposals import (
     check_count,
     push_path,
     turn_path,
+    turned_in_place,
 )
 from streamworld.pusht.world import Scene
 
@@ -204,13 +206,54 @@ def test_a_block_near_its_goal_but_turned_gets_turns_first_and_a_far_one_pushes_
     proposals = PushProposals(np.zeros((64, 64, 3), np.uint8), 0)
     proposals.goal = Scene((300.0, 400.0), (262.0, 205.0, np.radians(40.0)))
     now = Scene((100.0, 420.0), UPRIGHT)
-    near = proposals.paths(now)
+    near = list(proposals.paths(now))
     assert all(np.allclose(p, turn_path(now, proposals.goal, e)) for e, p in enumerate(near[:3]))
     assert np.allclose(near[3], push_path(now, proposals.goal))
     proposals.goal = Scene((300.0, 400.0), (406.0, 200.0, np.radians(40.0)))
-    far = proposals.paths(now)
+    far = list(proposals.paths(now))
     assert np.allclose(far[0], push_path(now, proposals.goal))
     assert np.allclose(far[-1], turn_path(now, proposals.goal, 2))
+
+
+def test_a_still_but_turned_block_gets_the_agents_goal_place_and_the_turns_and_no_more_than_asked():
+    """Pushes of a block whose middle is in place all come to the agent's goal place alone:
+    one proposal of them, after the three turns; `count` cuts the distinct paths."""
+    proposals = PushProposals(np.zeros((64, 64, 3), np.uint8), 0)
+    proposals.goal = Scene((300.0, 400.0), turned_in_place(UPRIGHT, np.radians(40.0)))
+    now = Scene((100.0, 420.0), UPRIGHT)
+    for count, expected in ((10, 4), (4, 4), (2, 2)):
+        proposals.count = count
+        laid = proposals.laid(now, knots=6)
+        assert laid.shape == (expected, 6, 2)
+    proposals.count = 10
+    laid = proposals.laid(now, knots=6)
+    for end in range(3):
+        np.testing.assert_allclose(
+            laid[end], np.clip(_knots(turn_path(now, proposals.goal, end), 6), 0, 512), atol=1e-3
+        )
+    np.testing.assert_allclose(laid[3], np.repeat([proposals.goal.agent], 6, axis=0))  # held on every knot
+
+
+def test_after_a_turn_the_way_to_the_agents_goal_place_avoids_the_block_where_the_turn_leaves_it():
+    """The legs after the push (the one leg that meets the block) go round the block turned
+    in place (its middle kept, the goal's angle), not round the goal's block far away; only
+    the first steps away from the push's end, where the agent is against it, may touch."""
+    now = Scene((100.0, 420.0), UPRIGHT)
+    turned = turned_in_place(UPRIGHT, np.radians(40.0))
+    np.testing.assert_allclose(block_middle(turned), block_middle(UPRIGHT))
+    detours = 0
+    for agent_goal in ((256.0, 100.0), (256.0, 380.0), (120.0, 240.0), (390.0, 240.0)):
+        goal = Scene(agent_goal, (406.0, 200.0, np.radians(40.0)))
+        for end in range(len(ENDS)):
+            path = [np.array(now.agent), *turn_path(now, goal, end)]
+            push = next(
+                j for j in range(len(path) - 1) if _legs_clear(UPRIGHT, path[j : j + 2]) < AGENT_RADIUS - 1
+            )
+            # Clear of it, but for the first steps away from the push's end, against the block.
+            assert _clear(turned, path[push + 1], path[push + 2], leaving=CLEARANCE)
+            assert len(path) == push + 3 or _legs_clear(turned, path[push + 2 :]) > AGENT_RADIUS - 1.0
+            detours += len(path) - push - 2 > 1  # a waypoint between the push's end and the goal place
+    assert detours >= 2
 
 
 def test_turns_bring_blocks_nearer_their_goals_angle_in_the_true_environment():

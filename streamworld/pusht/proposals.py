@@ -18,7 +18,7 @@ Variants turn the push a little or push off-centre (the block then turns). A blo
 middle is near its goal's but turned away from it gets **turns** first: the agent goes to
 one of the T's three ends (a bar tip or the stem's tip), beside it, and pushes it across
 the line from the middle, about the arc the end must travel, then goes to its goal place;
-legs that would touch the block go by one waypoint clear of it. They are only proposals:
+legs that would touch the block go round it by one waypoint where one is clear. They are only proposals:
 they join the first
 iteration's candidates, the world model predicts them like any other, and the cost decides
 (`cem(..., proposals=...)`). Nothing here looks at the true state: the scenes come from
@@ -26,6 +26,9 @@ the frames, and a frame whose block is not a T (`MAX_MISMATCH`) gives no proposa
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -75,9 +78,15 @@ def _contact(block: tuple[float, float, float], line: np.ndarray, direction: np.
     return float(steps[np.argmax(touching)]) if touching.any() else None
 
 
-def _clear(block: tuple[float, float, float], a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether the agent walks from `a` to `b` without touching the block (1 unit slack)."""
-    points = a + np.linspace(0.0, 1.0, 64)[:, None] * (b - a)
+def _clear(block: tuple[float, float, float], a: np.ndarray, b: np.ndarray, leaving: float = 0.0) -> bool:
+    """Whether the agent walks from `a` to `b` without touching the block (1 unit slack),
+    checked every 2 units at most (a distance changes by no more than the step, so a leg
+    cannot dip between two checks by more than the slack). The first `leaving` units are
+    not checked: an agent that starts against the block may touch it while it leaves."""
+    length = float(np.linalg.norm(b - a))
+    steps = np.linspace(0.0, 1.0, max(int(np.ceil(length / 2.0)) + 1, 2))
+    steps = steps[steps * length >= min(leaving, length)]
+    points = a + steps[:, None] * (b - a)
     return bool(block_distance(block, points).min() > AGENT_RADIUS - 1.0)
 
 
@@ -121,8 +130,9 @@ def push_path(now: Scene, goal: Scene, turn: float = 0.0, offset: float = 0.0) -
 def _via(block: tuple[float, float, float], a: np.ndarray, b: np.ndarray) -> list[np.ndarray] | None:
     """No waypoint ([]) when the agent walks from `a` to `b` clear of the block; else the
     one waypoint round it (on rings about its middle, inside the world) with the shortest
-    way whose two legs stay clear; None when there is none."""
-    if _clear(block, a, b):
+    way whose two legs stay clear; None when there is none. The agent may start against
+    the block (after a push): the first `CLEARANCE` units from `a` are not checked."""
+    if _clear(block, a, b, leaving=CLEARANCE):
         return []
     angles = np.linspace(0.0, 2 * np.pi, 24, endpoint=False)
     ring = np.stack([np.cos(angles), np.sin(angles)], axis=1)
@@ -131,7 +141,7 @@ def _via(block: tuple[float, float, float], a: np.ndarray, b: np.ndarray) -> lis
     ways = [
         (float(np.linalg.norm(p - a) + np.linalg.norm(b - p)), i)
         for i, p in enumerate(points)
-        if inside[i] and _clear(block, a, p) and _clear(block, p, b)
+        if inside[i] and _clear(block, a, p, leaving=CLEARANCE) and _clear(block, p, b)
     ]
     return [points[min(ways)[1]]] if ways else None
 
@@ -146,7 +156,7 @@ def turn_path(now: Scene, goal: Scene, end: int) -> list[np.ndarray] | None:
     `ENDS[end]`: behind the end across the line from the block's middle, on the side the
     turn needs, then on about the arc the end must travel, then the agent's goal place
     (module docstring); None when the block needs no turn (`TURN`), when the push line
-    misses it or no clear way leads behind it."""
+    misses it."""
     turn = angle_to(now, goal)
     if abs(turn) < TURN:
         return None
@@ -160,11 +170,17 @@ def turn_path(now: Scene, goal: Scene, end: int) -> list[np.ndarray] | None:
     behind = tip + direction * (touch - CLEARANCE)
     through = tip + direction * (touch + arm * abs(turn))
     agent_goal = np.asarray(goal.agent, np.float64)
-    there = _via(now.block, np.asarray(now.agent, np.float64), behind)
-    if there is None:
-        return None
-    back = _via(goal.block, through, agent_goal) or []  # the turned block is near the goal's pose
+    # No clear way behind the end: straight, as a push goes then.
+    there = _via(now.block, np.asarray(now.agent, np.float64), behind) or []
+    back = _via(turned_in_place(now.block, goal.block[2]), through, agent_goal) or []
     return [*there, behind, through, *back, agent_goal]
+
+
+def turned_in_place(block: tuple[float, float, float], angle: float) -> tuple[float, float, float]:
+    """The pose of `block` turned to `angle` about its middle (where a turn means to leave
+    it, for the way on to the agent's goal place)."""
+    middle = block_middle(block)
+    return (middle[0] + np.sin(angle) * T_CENTROID_Y, middle[1] - np.cos(angle) * T_CENTROID_Y, angle)
 
 
 def _knots(path: list[np.ndarray], knots: int) -> np.ndarray:
@@ -188,19 +204,28 @@ class PushProposals:
         self.count = count
         self.goal = estimate_scene(goal_frame) if self.count > 0 else None
 
-    def paths(self, now: Scene) -> list[list[np.ndarray]]:
-        """Every push and turn path from scene `now`, in the order they are proposed."""
-        pushes = [push_path(now, self.goal, turn, offset) for turn, offset in VARIANTS]
-        turns = [turn_path(now, self.goal, end) for end in range(len(ENDS))]
+    def paths(self, now: Scene) -> Iterator[list[np.ndarray]]:
+        """The push and turn paths from scene `now` toward the goal scene, in the order they
+        are proposed, each laid out only when asked for."""
+        pushes = (push_path(now, self.goal, turn, offset) for turn, offset in VARIANTS)
+        turns = (turn_path(now, self.goal, end) for end in range(len(ENDS)))
         near = np.linalg.norm(block_middle(self.goal.block) - block_middle(now.block)) < NEAR
-        return [p for p in (turns + pushes if near else pushes + turns) if p is not None]
+        return (p for p in itertools.chain(*((turns, pushes) if near else (pushes, turns))) if p is not None)
+
+    def laid(self, now: Scene, knots: int) -> np.ndarray:
+        """The first `count` distinct paths from scene `now`, held over `knots` knots
+        [P, knots, 2] (world units, within the world)."""
+        unique: dict[tuple, None] = {}
+        for path in self.paths(now):
+            if len(unique) == self.count:
+                break
+            unique.setdefault(tuple(map(tuple, _knots(path, knots).round(3))), None)
+        return np.clip(np.array(list(unique), np.float64).reshape(-1, knots, 2), 0.0, WORLD_SIZE)
 
     def __call__(self, frame: np.ndarray, knots: int) -> np.ndarray:
-        """Proposals [P, knots, 2] (world units, within the world), P <= count; none
+        """Proposals [P, knots, 2] from an observed frame (`laid`), P <= count; none
         [0, knots, 2] when either frame's scene cannot be read (`estimate_scene`)."""
         now = estimate_scene(frame) if self.goal is not None else None
         if now is None:
             return np.empty((0, knots, 2))
-        laid = [tuple(map(tuple, _knots(p, knots).round(3))) for p in self.paths(now)]
-        unique = list(dict.fromkeys(laid))[: self.count]  # in order
-        return np.clip(np.array(unique, np.float64).reshape(-1, knots, 2), 0.0, WORLD_SIZE)
+        return self.laid(now, knots)

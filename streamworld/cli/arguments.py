@@ -203,7 +203,7 @@ def check_output_folder(flag: str, path: str | None) -> None:
 
 def add_search_arguments(group: argparse._ActionsContainer) -> None:
     """The planner's options after iCEM (--noise-beta, --keep-elites), which predicted
-    frames its cost reads (--cost-frames) and push proposals (--proposals); all off by
+    frames its cost reads (--cost-frames) and push and turn proposals (--proposals); all off by
     default."""
     group.add_argument(
         "--noise-beta",

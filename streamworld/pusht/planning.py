@@ -17,8 +17,9 @@ episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.
   so carries its angle. The model predicts frames only, and the cost reads frames only.
   With `cost_frames="best"` a candidate is scored on its frame nearest the goal instead of
   its last, since the success test holds at whichever step the environment reaches it.
-- **Proposals.** Optionally (`run_episode(proposals=N)`, `--proposals N`), push paths laid
-  out from the observed and goal frames (`proposals.py`) join each plan's first iteration.
+- **Proposals.** Optionally (`run_episode(proposals=N)`, `--proposals N`), push and turn
+  paths laid out from the observed and goal frames (`proposals.py`) join each plan's first
+  iteration.
 
 Actions are the agent's target position in world units, as in gym-pusht (DINO-WM moves the
 target relative to the agent instead).
@@ -235,8 +236,8 @@ async def run_episode(
     the real environment, which `SimulatorRollouts` copies), or from the awaitable it
     returns; their `close()`, if any, is called after the plan, and awaited if it returns an
     awaitable. `cost_frames`: which predicted frames the cost reads, and `cost_device`
-    where it reads them (`frame_cost`). `proposals`: this many push paths read from the
-    observed and goal frames join each plan's first iteration (`proposals.PushProposals`;
+    where it reads them (`frame_cost`). `proposals`: this many push and turn paths read
+    from the observed and goal frames join each plan's first iteration (`proposals.PushProposals`;
     the time they take counts in the plan's)."""
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)

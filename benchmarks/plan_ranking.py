@@ -17,7 +17,9 @@ true environment from the same state. Per task it reports:
   pick does;
 - the final mean (`cem`'s last refit, which the next plan starts from, and which
   DINO-WM's CEM acts on instead of the cheapest candidate), run in the true environment:
-  its true cost, block distance and whether it reaches the goal.
+  its true cost, block distance and whether it reaches the goal;
+- every candidate's two costs, whether it truly reaches the goal, and its origin (`forks`),
+  for other ways of choosing to be tried offline.
 
     python benchmarks/plan_ranking.py --model pusht-delta --proposals 6 --seeds 0-19 --json ranking.json
 
@@ -122,7 +124,18 @@ async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposal
     }
     start = float(np.linalg.norm(block_middle(world.scene.block) - block_middle(task.goal.block)))
     world.close()
-    return {**summarise(seed, forks, start), "final_mean": final_mean}
+    every = {
+        "forks": [
+            {
+                "model_costs": [round(float(c), 3) for c in f["model_costs"]],
+                "true_costs": [round(float(c), 3) for c in f["true_costs"]],
+                "reaches": [bool(r) for r in f["reaches"]],
+                "origins": f["origins"],
+            }
+            for f in forks
+        ]
+    }
+    return {**summarise(seed, forks, start), "final_mean": final_mean, **every}
 
 
 def summarise(seed: int, forks: list[dict], start: float) -> dict:

@@ -467,6 +467,9 @@ def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(
     assert report["totals"]["tasks"] == 1 and len(row["spearman_per_fork"]) == 1
     assert row["regret"] >= 0 and row["pick"]["iteration"] == 0
     assert row["final_mean"]["true_cost"] >= 0 and isinstance(row["final_mean"]["reaches"], bool)
+    (fork,) = row["forks"]
+    assert fork["origins"] == ["mean", "proposal", "random"] and len(fork["model_costs"]) == 3
+    assert min(fork["true_costs"]) == pytest.approx(row["best_by_truth"]["true_cost"], abs=0.01)
     assert report["totals"]["final_mean_reaches"] == int(row["final_mean"]["reaches"])
     bad = _benchmark(*cmd, "--proposals", "3")
     assert bad.returncode == 2 and "--proposals must be 0 to 2" in bad.stderr

@@ -18,9 +18,9 @@ Variants turn the push a little or push off-centre (the block then turns). A blo
 middle is near its goal's but turned away from it gets **turns** first: the agent goes to
 one of the T's three ends (a bar tip or the stem's tip), beside it, and pushes it across
 the line from the middle, about the arc the end must travel, then goes to its goal place;
-legs that would touch the block go round it by one waypoint where one is clear. They are only proposals:
-they join the first
-iteration's candidates, the world model predicts them like any other, and the cost decides
+legs that would touch the block go round it by one waypoint where one is clear. They are
+only proposals: they join the first iteration's candidates, the world model predicts them
+like any other, and the cost decides
 (`cem(..., proposals=...)`). Nothing here looks at the true state: the scenes come from
 the frames, and a frame whose block is not a T (`MAX_MISMATCH`) gives no proposal.
 """
@@ -155,8 +155,8 @@ def turn_path(now: Scene, goal: Scene, end: int) -> list[np.ndarray] | None:
     """Waypoints (world units) of one turn of the block toward the goal's angle by its end
     `ENDS[end]`: behind the end across the line from the block's middle, on the side the
     turn needs, then on about the arc the end must travel, then the agent's goal place
-    (module docstring); None when the block needs no turn (`TURN`), when the push line
-    misses it."""
+    (module docstring); None when the block needs no turn (`TURN`) or the push line misses
+    it."""
     turn = angle_to(now, goal)
     if abs(turn) < TURN:
         return None

@@ -215,7 +215,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     config = search(args)
     model = load_world_model(
-        get_preset(args.model), WeightPaths(), LoadOptions(device=args.device, dtype="float32")
+        get_preset(args.model), WeightPaths(dit=args.dit), LoadOptions(device=args.device, dtype="float32")
     )
     engine_config = EngineConfig(
         ttff_budget_s=1e3,
@@ -231,6 +231,7 @@ async def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "plan_ranking",
         "model": args.model,
+        "weights": Path(args.dit).name if args.dit else "shipped",
         "device": args.device,
         "proposals": args.proposals,
         "cem": vars(config),
@@ -248,6 +249,9 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model", default="pusht-delta", choices=["pusht", "pusht-delta"], help="default pusht-delta"
+    )
+    parser.add_argument(
+        "--dit", help="weights to rank with instead of the shipped ones (a .safetensors file)"
     )
     parser.add_argument(
         "--seeds", type=parse_seeds, default=parse_seeds("0-19"), help="task seeds (default 0-19)"
@@ -277,6 +281,8 @@ def main() -> None:
         search(args).check()
     except ValueError as e:
         parser.error(str(e))
+    if args.dit and not Path(args.dit).is_file():
+        parser.error(f"--dit: {args.dit} does not exist")
     if args.json and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist")
     report = asyncio.run(run(args))

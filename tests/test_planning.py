@@ -473,6 +473,6 @@ def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(
     assert report["totals"]["final_mean_reaches"] == int(row["final_mean"]["reaches"])
     bad = _benchmark(*cmd, "--proposals", "3")
     assert bad.returncode == 2 and "--proposals must be 0 to 2" in bad.stderr
-    missing = _benchmark(*cmd, "--dit", str(tmp_path / "none.safetensors"))
+    missing = _benchmark(*cmd, "--proposals", "1", "--dit", str(tmp_path / "none.safetensors"))
     assert missing.returncode == 2 and "none.safetensors does not exist" in missing.stderr
     assert report["weights"] == "shipped"

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
+from streamworld.engine import AsyncEngine
 from streamworld.models import get_preset
-from streamworld.planning import CEMConfig, EngineRollouts, cem
+from streamworld.planning import CEMConfig, EngineRollouts, cem, planning_engine_config
 from streamworld.pusht.evaluate import parse_seeds
 from streamworld.pusht.planning import frame_cost, make_task, reached
 from streamworld.pusht.proposals import PushProposals, block_middle, check_count
@@ -113,9 +113,7 @@ async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposal
         plan = await cem(rollouts, cost, np.array(world.scene.agent), config, rng, proposals=proposed)
     finally:
         model.close()
-    held = np.repeat(np.clip(plan.mean, config.low, config.high), config.knot_frames, axis=0)[
-        : config.horizon
-    ]
+    held = config.held(np.clip(plan.mean, config.low, config.high))
     frames, reaches, distances = true_rollouts(world, held[None].astype(np.float32), task.goal)
     final_mean = {
         "true_cost": round(float(cost(frames[0])), 2),
@@ -217,14 +215,8 @@ async def run(args: argparse.Namespace) -> dict:
     model = load_world_model(
         get_preset(args.model), WeightPaths(dit=args.dit), LoadOptions(device=args.device, dtype="float32")
     )
-    engine_config = EngineConfig(
-        ttff_budget_s=1e3,
-        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, config.samples)),
-        max_streams=config.samples + 1,
-        max_fork_branches=config.samples,
-    )
     rows = []
-    async with AsyncEngine(model, engine_config) as engine:
+    async with AsyncEngine(model, planning_engine_config(config.samples)) as engine:
         for seed in args.seeds:
             rows.append(await first_plan(engine, seed, config, args.proposals))
             print(json.dumps(rows[-1]), flush=True)

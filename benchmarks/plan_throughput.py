@@ -30,22 +30,11 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
+from streamworld.engine import AsyncEngine
 from streamworld.models import get_preset
 from streamworld.models.world_model import WeightPaths, WorldModel
-from streamworld.planning import EngineRollouts
+from streamworld.planning import EngineRollouts, planning_engine_config
 from streamworld.pusht.planning import make_task
-
-
-def _engine_config(branches: int, cuda_graphs: bool) -> EngineConfig:
-    """What `eval pusht --plan` gives its engine for forks of `branches`."""
-    return EngineConfig(
-        ttff_budget_s=1e3,
-        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, branches)),
-        max_streams=branches + 1,
-        max_fork_branches=branches,
-        cuda_graphs=cuda_graphs,
-    )
 
 
 def busy_share(prof: torch.profiler.profile, wall_s: float) -> float:
@@ -114,7 +103,7 @@ async def measure(model: WorldModel, args) -> list[dict]:
     world.close()
     rows = []
     for branches in args.branches:
-        async with AsyncEngine(model, _engine_config(branches, args.cuda_graphs)) as engine:
+        async with AsyncEngine(model, planning_engine_config(branches, args.cuda_graphs)) as engine:
             row = await _forks(engine, frame, branches, args.horizon, args)
         print(
             f"{branches:4d} branches: {row['fork_s'] * 1e3:8.1f} ms per fork, "

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .engine import AsyncEngine, BranchRequest, StreamRequest
+from .engine import AsyncEngine, BranchRequest, EngineConfig, SchedulerConfig, StreamRequest
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,11 @@ class CEMConfig:
     def knots(self) -> int:
         """Held targets per candidate: the horizon in steps of `knot_frames`, rounded up."""
         return -(-self.horizon // self.knot_frames)
+
+    def held(self, knots: np.ndarray) -> np.ndarray:
+        """Actions [..., horizon, dim] of knots [..., knots, dim]: each held `knot_frames`
+        steps, cut at the horizon."""
+        return np.repeat(knots, self.knot_frames, axis=-2)[..., : self.horizon, :]
 
     def check(self) -> None:
         if self.horizon < 1 or self.samples < 2 or not 1 <= self.elites <= self.samples:
@@ -117,7 +122,7 @@ async def cem(
         samples[0] = np.clip(mu, config.low, config.high)  # the mean itself is always tried
         if iteration == 0 and len(proposed):
             samples[1 : 1 + len(proposed)] = np.clip(proposed, config.low, config.high)
-        candidates = np.repeat(samples, config.knot_frames, axis=1)[:, : config.horizon].astype(np.float32)
+        candidates = config.held(samples).astype(np.float32)
         frames = await rollouts(candidates)
         many = getattr(cost, "many", None)  # a cost may score a whole fork at once
         costs = np.asarray(many(frames)) if many is not None else np.array([cost(f) for f in frames])
@@ -174,6 +179,19 @@ def colored_noise(rng: np.random.Generator, shape: tuple[int, ...], beta: float)
     # adds itself and its conjugate, 2 Re(X e^(i theta)), of variance 4 scale^2.
     variance = np.where(real_only, 1.0, 4.0) * scale**2
     return x / (np.sqrt(variance.sum()) / n)
+
+
+def planning_engine_config(branches: int, cuda_graphs: bool = False) -> EngineConfig:
+    """An in-process engine for `EngineRollouts` with forks of up to `branches`: the
+    observed stream and every branch live at once, a whole fork is one batch, and no
+    deadline applies (a plan waits for its forks)."""
+    return EngineConfig(
+        ttff_budget_s=1e3,
+        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, branches)),
+        max_streams=branches + 1,
+        max_fork_branches=branches,
+        cuda_graphs=cuda_graphs,
+    )
 
 
 class EngineRollouts:

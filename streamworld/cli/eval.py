@@ -221,9 +221,9 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
 @contextlib.asynccontextmanager
 async def _rollouts(args: argparse.Namespace, config):
     """(what plans, frame size, rollouts_for(frame, world, seed)) for `_plan_episodes`."""
-    from ..engine import AsyncEngine, EngineConfig, SchedulerConfig
+    from ..engine import AsyncEngine
     from ..models import get_preset
-    from ..planning import EngineRollouts
+    from ..planning import EngineRollouts, planning_engine_config
     from ..pusht.planning import SimulatorRollouts
 
     if args.simulator:
@@ -235,14 +235,7 @@ async def _rollouts(args: argparse.Namespace, config):
         )
         return
     model = _load(args)
-    engine_config = EngineConfig(
-        ttff_budget_s=1e3,
-        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, config.samples)),
-        max_streams=config.samples + 1,
-        max_fork_branches=config.samples,
-        cuda_graphs=args.cuda_graphs,
-    )
-    async with AsyncEngine(model, engine_config) as engine:
+    async with AsyncEngine(model, planning_engine_config(config.samples, args.cuda_graphs)) as engine:
         yield (
             {
                 "model": model.config.id,

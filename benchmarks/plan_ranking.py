@@ -110,10 +110,11 @@ async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposal
     model = EngineRollouts(engine, frame, seed)
     try:
         rng = np.random.default_rng(seed)
-        plan = await cem(rollouts, cost, np.array(world.scene.agent), config, rng, proposals=proposed)
+        start = np.array(world.scene.agent)
+        plan = await cem(rollouts, cost, start, config, rng, proposals=proposed)
     finally:
         model.close()
-    held = config.held(np.clip(plan.mean, config.low, config.high))
+    held = config.actions(np.clip(plan.mean, config.low, config.high), start)
     frames, reaches, distances = true_rollouts(world, held[None].astype(np.float32), task.goal)
     final_mean = {
         "true_cost": round(float(cost(frames[0])), 2),
@@ -204,6 +205,7 @@ def search(args: argparse.Namespace) -> CEMConfig:
         iterations=args.iterations,
         noise_beta=args.noise_beta,
         keep_elites=args.keep_elites,
+        max_speed=args.max_speed,
     )
 
 
@@ -259,6 +261,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--keep-elites", type=int, default=2, help="elites carried to the next fork (default 2)"
+    )
+    parser.add_argument(
+        "--max-speed",
+        type=float,
+        default=0.0,
+        help="most an action moves a step; 0: targets held (default 0)",
     )
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] (default cpu)")
     parser.add_argument("--json", type=Path, help="write the report here")

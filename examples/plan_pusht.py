@@ -112,6 +112,7 @@ def search_config(args: argparse.Namespace) -> CEMConfig:
         knot_frames=2,
         noise_beta=args.noise_beta,
         keep_elites=args.keep_elites,
+        max_speed=args.max_speed,
     )
     config.check()
     check_count(args.proposals, args.samples)

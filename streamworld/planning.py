@@ -45,6 +45,11 @@ class CEMConfig:
     # the next iteration's refit with the costs they had; they are not rolled out again.
     noise_beta: float = 0.0
     keep_elites: int = 0
+    # `max_speed` > 0: an action moves at most this far (Euclidean, action units) from the one
+    # before it, the first from `start`; the knots become waypoints the actions head for at
+    # that speed, like the scripted policies the PushT model learned from (at most 35 units
+    # a step), so candidates stay in the model's training distribution. 0: targets held.
+    max_speed: float = 0.0
 
     @property
     def knots(self) -> int:
@@ -56,6 +61,12 @@ class CEMConfig:
         steps, cut at the horizon."""
         return np.repeat(knots, self.knot_frames, axis=-2)[..., : self.horizon, :]
 
+    def actions(self, knots: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """The actions [..., horizon, dim] a candidate of knots [..., knots, dim] stands for:
+        `held`, then, with `max_speed`, limited to that speed from `start` (`rate_limited`)."""
+        held = self.held(knots)
+        return rate_limited(held, start, self.max_speed) if self.max_speed > 0 else held
+
     def check(self) -> None:
         if self.horizon < 1 or self.samples < 2 or not 1 <= self.elites <= self.samples:
             raise ValueError("need horizon >= 1, samples >= 2 and 1 <= elites <= samples")
@@ -63,6 +74,22 @@ class CEMConfig:
             raise ValueError("need iterations >= 1, knot_frames >= 1, init_std > 0 and min_std >= 0")
         if not 0 <= self.noise_beta <= 4 or not 0 <= self.keep_elites <= self.elites:
             raise ValueError("need 0 <= noise_beta <= 4 and 0 <= keep_elites <= elites")
+        if not self.max_speed >= 0:
+            raise ValueError("need max_speed >= 0 (0: no limit)")
+
+
+def rate_limited(targets: np.ndarray, start: np.ndarray, max_speed: float) -> np.ndarray:
+    """Actions [..., T, dim] that follow `targets` [..., T, dim] from `start` [dim], each at
+    most `max_speed` (Euclidean) from the one before: step t moves toward target t and
+    reaches it when it is that close."""
+    out = np.empty(np.broadcast_shapes(targets.shape), np.float64)
+    previous = np.broadcast_to(np.asarray(start, np.float64), targets[..., 0, :].shape)
+    for t in range(targets.shape[-2]):
+        step = targets[..., t, :] - previous
+        length = np.linalg.norm(step, axis=-1, keepdims=True)
+        scale = np.minimum(1.0, max_speed / np.maximum(length, 1e-12))
+        previous = out[..., t, :] = previous + step * scale
+    return out
 
 
 class Rollouts(Protocol):
@@ -97,8 +124,9 @@ async def cem(
     keep_candidates: bool = False,
     proposals: np.ndarray | None = None,
 ) -> Plan:
-    """The cross-entropy method: sample `samples` piecewise-constant action sequences around
-    the mean (first: `start` held, or `mean`, e.g. the last plan shifted), roll them all out
+    """The cross-entropy method: sample `samples` knot sequences around the mean (first:
+    `start` held, or `mean`, e.g. the last plan shifted), turn each into actions
+    (`config.actions`: knots held, or headed for at `max_speed` from `start`), roll them all out
     as one fork, refit mean and spread to the `elites` cheapest (of these and the
     `keep_elites` carried from the last iteration), `iterations` times. `cost` maps one
     candidate's predicted frames to a number (lower is better); a cost with a method
@@ -122,7 +150,7 @@ async def cem(
         samples[0] = np.clip(mu, config.low, config.high)  # the mean itself is always tried
         if iteration == 0 and len(proposed):
             samples[1 : 1 + len(proposed)] = np.clip(proposed, config.low, config.high)
-        candidates = config.held(samples).astype(np.float32)
+        candidates = config.actions(samples, start).astype(np.float32)
         frames = await rollouts(candidates)
         many = getattr(cost, "many", None)  # a cost may score a whole fork at once
         costs = np.asarray(many(frames)) if many is not None else np.array([cost(f) for f in frames])

@@ -15,7 +15,7 @@ import pytest
 from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
 from streamworld.models import get_preset
 from streamworld.models.world_model import WorldModel
-from streamworld.planning import CEMConfig, cem
+from streamworld.planning import CEMConfig, cem, rate_limited
 from streamworld.pusht.planning import Task, frame_cost, make_task, reached, run_episode, state_error
 from streamworld.pusht.world import Scene
 
@@ -46,6 +46,55 @@ def test_cem_refuses_a_bad_configuration():
         CEMConfig(elites=4, keep_elites=5).check()
     with pytest.raises(ValueError, match="noise_beta"):
         CEMConfig(noise_beta=-1.0).check()
+    with pytest.raises(ValueError, match="max_speed"):
+        CEMConfig(max_speed=-1.0).check()
+
+
+def test_rate_limited_actions_head_for_their_targets_at_most_max_speed_a_step():
+    start = np.array([100.0, 100.0])
+    targets = np.array([[[400.0, 500.0]] * 3 + [[110.0, 90.0]] * 3, [[103.0, 104.0]] * 6])
+    actions = rate_limited(targets, start, 30.0)
+    steps = np.linalg.norm(
+        np.diff(np.concatenate([np.broadcast_to(start, (2, 1, 2)), actions], 1), axis=1), axis=-1
+    )
+    assert steps.max() <= 30.0 + 1e-9
+    # Far targets: full-speed steps straight at them; a target within reach is reached.
+    np.testing.assert_allclose(steps[0, :3], 30.0)
+    np.testing.assert_allclose(actions[0, 2], start + 90.0 * np.array([0.6, 0.8]))
+    np.testing.assert_allclose(actions[1], [[103.0, 104.0]] * 6)
+    # Back toward the second target from where the first three steps left it.
+    np.testing.assert_allclose(steps[0, 3:5], 30.0)
+    assert (
+        np.linalg.norm(actions[0, 5] - targets[0, 5]) < np.linalg.norm(actions[0, 2] - targets[0, 5]) - 89.0
+    )
+
+
+def test_cem_with_max_speed_rolls_out_and_returns_the_limited_actions():
+    """The candidates rolled out are the knots held and speed-limited from the start, so the
+    plan's actions (the ones executed) are what the model predicted; without a limit they
+    are the knots held."""
+    rolled = []
+
+    async def rollouts(candidates: np.ndarray) -> np.ndarray:
+        rolled.append(candidates)
+        return candidates[:, :, None, None, :]
+
+    def cost(frames: np.ndarray) -> float:
+        return float(np.linalg.norm(frames[-1, 0, 0] - np.array([400.0, 100.0])))
+
+    start = np.array([100.0, 300.0])
+    for speed in (0.0, 20.0):
+        rolled.clear()
+        config = CEMConfig(horizon=8, samples=16, elites=4, iterations=2, knot_frames=2, max_speed=speed)
+        plan = asyncio.run(cem(rollouts, cost, start, config, np.random.default_rng(0)))
+        first = np.concatenate([np.broadcast_to(start, (16, 1, 2)), rolled[0]], 1)
+        moves = np.linalg.norm(np.diff(first, axis=1), axis=-1)
+        if speed:
+            assert moves.max() <= speed + 1e-3 and moves.max() > speed - 1e-3
+        else:
+            assert moves.max() > 100.0  # held targets jump
+            assert np.all(rolled[0][:, 0::2] == rolled[0][:, 1::2])
+        assert any(np.array_equal(plan.actions, c) for c in np.concatenate(rolled))
 
 
 def test_kept_elites_join_the_next_refit_with_their_costs_and_are_not_rolled_out_again():

@@ -202,9 +202,9 @@ def check_output_folder(flag: str, path: str | None) -> None:
 
 
 def add_search_arguments(group: argparse._ActionsContainer) -> None:
-    """The planner's options after iCEM (--noise-beta, --keep-elites), which predicted
-    frames its cost reads (--cost-frames) and push and turn proposals (--proposals); all off by
-    default."""
+    """The planner's options after iCEM (--noise-beta, --keep-elites), a speed limit on its
+    actions (--max-speed), which predicted frames its cost reads (--cost-frames) and push and
+    turn proposals (--proposals); all off by default."""
     group.add_argument(
         "--noise-beta",
         type=float,
@@ -218,6 +218,14 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         default=0,
         help="cheapest candidates of each iteration carried into the next one's refit, with their costs, "
         "not rolled out again (iCEM; at most the elites kept; default 0)",
+    )
+    group.add_argument(
+        "--max-speed",
+        type=float,
+        default=0.0,
+        help="actions head for a plan's targets at most this far a step (action units, Euclidean) instead "
+        "of jumping to them, so candidates move like the scripted data the PushT model learned from (at "
+        "most 35 a step); 0: targets held (default 0)",
     )
     group.add_argument(
         "--cost-frames",

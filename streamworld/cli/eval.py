@@ -181,6 +181,7 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         knot_frames=args.knot_frames,
         noise_beta=args.noise_beta,
         keep_elites=args.keep_elites,
+        max_speed=args.max_speed,
     )
     try:
         config.check()

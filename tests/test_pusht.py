@@ -87,6 +87,24 @@ def test_push_share_is_recorded_and_drives_the_controller(tmp_path):
         DatasetSpec(episodes=1, steps=1, push_share=1.5)
 
 
+def test_jump_share_holds_targets_that_jump_as_the_planner_does(tmp_path):
+    """With every move jumping, the target moves at most 160 units (+ jitter) at a time and is
+    held for the next 3 steps; the walking controller never moves it more than 35 + jitter.
+    The share is recorded with the data set."""
+    spec = DatasetSpec(episodes=1, steps=24, size=64, seed=3, jump_share=1.0)
+    generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
+    assert Dataset.load(tmp_path / "d").spec == spec
+    _, jumping = record_episode(7, 7, 120, 64, jump_share=1.0)
+    _, walking = record_episode(7, 7, 120, 64)
+    steps = np.linalg.norm(np.diff(jumping, axis=0), axis=1)
+    assert steps.max() <= 160.0 + 10.0 and steps.max() > 60.0
+    moved = np.flatnonzero(steps > 10.0)
+    assert len(moved) >= 10 and np.all(np.diff(moved) >= 4)  # each jump held 4 steps at least
+    assert np.linalg.norm(np.diff(walking, axis=0), axis=1).max() <= 35.0 + 10.0
+    with pytest.raises(ValueError, match="jump_share"):
+        DatasetSpec(episodes=1, steps=1, jump_share=-0.1)
+
+
 def test_block_mask_finds_the_block_the_locator_finds():
     world = PushTWorld(64)
     frame = world.reset(3)
@@ -135,6 +153,7 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
         ("--block-weight", "-1"),
         ("--block-weight", "nan"),
         ("--push-share", "1.5"),
+        ("--jump-share", "2"),
         ("--rollout-share", "1.5"),
         ("--rollout-every", "0"),
         ("--rollout-max-mismatch", "-0.1"),

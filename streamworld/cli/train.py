@@ -80,6 +80,13 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"share of the scripted controller's moves that push the block (default {PUSH_SHARE})",
     )
     group.add_argument(
+        "--jump-share",
+        type=float,
+        default=0.0,
+        help="share of its moves whose target jumps 40-160 units at a time and is held 4 steps, as the "
+        "planner's candidates move, instead of walking at 8-35 units a step (default 0)",
+    )
+    group.add_argument(
         "--workers",
         type=int,
         help="processes that record episodes and simulate rollout targets (default: CPU count)",
@@ -185,6 +192,7 @@ def _configs(args: argparse.Namespace):
         size=config.height,
         seed=args.data_seed,
         push_share=args.push_share,
+        jump_share=args.jump_share,
     )
     train_config = TrainConfig(
         batch_size=args.batch_size,
@@ -201,7 +209,12 @@ def _configs(args: argparse.Namespace):
         return config, spec, train_config, args.device
     config = smoke_config(config)
     spec = DatasetSpec(
-        episodes=4, steps=40, size=config.height, seed=args.data_seed, push_share=args.push_share
+        episodes=4,
+        steps=40,
+        size=config.height,
+        seed=args.data_seed,
+        push_share=args.push_share,
+        jump_share=args.jump_share,
     )
     train_config = TrainConfig(
         batch_size=2,
@@ -234,7 +247,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
     for name in ("change_weight", "block_weight", "rollout_max_mismatch"):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
-    for name in ("push_share", "rollout_share"):
+    for name in ("push_share", "jump_share", "rollout_share"):
         if not 0 <= getattr(args, name) <= 1:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
     for name in (

@@ -2,7 +2,8 @@
 
 Episode i of a data set with seed s starts from the environment's initial state for seed
 `s * 1_000_003 + i + TRAIN_SEED_BASE` and is driven by `ScriptedPolicy` (pushing for
-`push_share` of its moves, exploring at random otherwise) seeded the same way, so any
+`push_share` of its moves, exploring at random otherwise; jumping its target for
+`jump_share` of them) seeded the same way, so any
 episode can be regenerated alone. Evaluation uses seeds below `TRAIN_SEED_BASE`, so the two
 never share an initial state.
 
@@ -37,24 +38,31 @@ class DatasetSpec:
     size: int = 64
     seed: int = 0
     push_share: float = PUSH_SHARE  # of the scripted policy's moves that push the block
+    jump_share: float = 0.0  # of its moves whose target jumps and is held (`ScriptedPolicy`)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.push_share <= 1.0:
-            raise ValueError(f"push_share is a share in [0, 1], not {self.push_share}")
+        for name in ("push_share", "jump_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} is a share in [0, 1], not {getattr(self, name)}")
 
     def episode_seed(self, index: int) -> int:
         return self.seed * 1_000_003 + index + TRAIN_SEED_BASE
 
 
 def record_episode(
-    env_seed: int, policy_seed: int, steps: int, size: int, push_share: float = PUSH_SHARE
+    env_seed: int,
+    policy_seed: int,
+    steps: int,
+    size: int,
+    push_share: float = PUSH_SHARE,
+    jump_share: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32) of one episode."""
     from .policy import ScriptedPolicy
     from .world import PushTWorld
 
     world = PushTWorld(size)
-    policy = ScriptedPolicy(policy_seed, push_share)
+    policy = ScriptedPolicy(policy_seed, push_share, jump_share)
     frames = np.empty((steps + 1, size, size, 3), np.uint8)
     actions = np.empty((steps, 2), np.float32)
     frames[0] = world.reset(env_seed)
@@ -68,7 +76,7 @@ def record_episode(
 def _record(args: tuple[int, DatasetSpec]) -> tuple[int, np.ndarray, np.ndarray]:
     index, spec = args
     seed = spec.episode_seed(index)
-    frames, actions = record_episode(seed, seed, spec.steps, spec.size, spec.push_share)
+    frames, actions = record_episode(seed, seed, spec.steps, spec.size, spec.push_share, spec.jump_share)
     return index, frames, actions
 
 
@@ -132,7 +140,12 @@ class Dataset:
             )
         meta = json.loads(meta_path.read_text())
         spec = DatasetSpec(
-            meta["episodes"], meta["steps"], meta["size"], meta["seed"], meta.get("push_share", PUSH_SHARE)
+            meta["episodes"],
+            meta["steps"],
+            meta["size"],
+            meta["seed"],
+            meta.get("push_share", PUSH_SHARE),
+            meta.get("jump_share", 0.0),
         )
         frames = np.load(folder / "frames.npy", mmap_mode="r")
         actions = np.load(folder / "actions.npy")

@@ -8,8 +8,12 @@
 
 The action (the agent's target) moves toward the current waypoint at a limited speed, as a
 hand dragging a mouse would, so consecutive actions are close and the agent's motion is
-smooth. Everything is a function of the seed and the observed scene, so episodes are
-reproducible.
+smooth. With `jump_share` > 0 that share of the moves instead jumps the target 40-160
+units at a time toward the waypoint and holds it `JUMP_HOLD` steps after each jump, as the
+planner's candidates hold targets that jump (`planning.CEMConfig.held`), so a model
+trained on such data has seen the fast agent and hard contacts they make. Everything is
+a function of the seed and the observed scene, so episodes are reproducible; with
+`jump_share` 0 the draws are those of a policy without it.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ from .world import WORLD_SIZE, Scene
 
 GOAL_XY = np.array([256.0, 256.0])
 PUSH_SHARE = 0.6  # of the moves, by default (the shipped weights were trained on it)
+JUMP_HOLD = 4  # steps a jumped-to target is held: the planner's default knot_frames
 _MARGIN = 40.0
 
 
 class ScriptedPolicy:
-    def __init__(self, seed: int, push_share: float = PUSH_SHARE) -> None:
+    def __init__(self, seed: int, push_share: float = PUSH_SHARE, jump_share: float = 0.0) -> None:
         self.rng = np.random.default_rng(seed)
         self.push_share = push_share
+        self.jump_share = jump_share
+        self._jump = False
         self.target: np.ndarray | None = None
         self._plan: list[np.ndarray] = []
         self._speed = 20.0
@@ -66,6 +73,10 @@ class ScriptedPolicy:
             if rng.random() < 0.2:
                 self._pause = int(rng.integers(2, 8))
         self._plan = [np.clip(p, _MARGIN / 2, WORLD_SIZE - _MARGIN / 2) for p in self._plan]
+        # Drawn only when jumps are on, so that jump_share 0 records what it always did.
+        self._jump = self.jump_share > 0 and rng.random() < self.jump_share
+        if self._jump:
+            self._speed = float(rng.uniform(40.0, 160.0))
 
     def __call__(self, scene: Scene) -> np.ndarray:
         """The next action (agent target, world units) for the current scene."""
@@ -84,5 +95,7 @@ class ScriptedPolicy:
             self._plan.pop(0)
         else:
             self.target = self.target + delta / dist * self._speed
+        if self._jump:
+            self._pause = JUMP_HOLD - 1
         jitter = self.rng.normal(0.0, 1.5, 2)
         return np.clip(self.target + jitter, 0.0, WORLD_SIZE)

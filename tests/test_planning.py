@@ -317,13 +317,17 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
                 "clean",
                 "--cost-frames",
                 "best",
+                "--max-speed",
+                "30",
             ]
         )
         == 0
     )
     report = json.loads(out.read_text())
     assert report["kv_mode"] == "clean" and report["timesteps"] == [1000.0] and report["complete"]
-    assert report["cost_frames"] == "best"
+    assert report["cost_frames"] == "best" and report["cem"]["max_speed"] == 30.0
+    assert main(["eval", "pusht", "--plan", *args, "--max-speed", "-1"]) == 2
+    assert "max_speed" in capsys.readouterr().err
 
 
 def test_a_replica_is_the_world_in_the_same_state_and_moves_alone():
@@ -512,6 +516,10 @@ def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(
     bench = _load_benchmark("plan_ranking")
     search = bench.search(bench.make_parser().parse_args([]))
     assert (search.horizon, search.knot_frames, search.samples, search.iterations) == (24, 4, 16, 3)
+    assert (
+        search.max_speed == 0
+        and bench.search(bench.make_parser().parse_args(["--max-speed", "25"])).max_speed == 25
+    )
     (row,) = report["tasks"]
     assert report["totals"]["tasks"] == 1 and len(row["spearman_per_fork"]) == 1
     assert row["regret"] >= 0 and row["pick"]["iteration"] == 0

@@ -208,14 +208,7 @@ def _configs(args: argparse.Namespace):
     if not args.smoke:
         return config, spec, train_config, args.device
     config = smoke_config(config)
-    spec = DatasetSpec(
-        episodes=4,
-        steps=40,
-        size=config.height,
-        seed=args.data_seed,
-        push_share=args.push_share,
-        jump_share=args.jump_share,
-    )
+    spec = dataclasses.replace(spec, episodes=4, steps=40, size=config.height)
     train_config = TrainConfig(
         batch_size=2,
         total_steps=min(args.total_steps, 4),

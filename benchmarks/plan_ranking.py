@@ -110,12 +110,12 @@ async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposal
     model = EngineRollouts(engine, frame, seed)
     try:
         rng = np.random.default_rng(seed)
-        start = np.array(world.scene.agent)
-        plan = await cem(rollouts, cost, start, config, rng, proposals=proposed)
+        agent = np.array(world.scene.agent)
+        plan = await cem(rollouts, cost, agent, config, rng, proposals=proposed)
     finally:
         model.close()
-    held = config.actions(np.clip(plan.mean, config.low, config.high), start)
-    frames, reaches, distances = true_rollouts(world, held[None].astype(np.float32), task.goal)
+    mean_actions = config.actions(np.clip(plan.mean, config.low, config.high), agent)
+    frames, reaches, distances = true_rollouts(world, mean_actions[None].astype(np.float32), task.goal)
     final_mean = {
         "true_cost": round(float(cost(frames[0])), 2),
         "block_distance": round(distances[0], 1),

@@ -46,7 +46,8 @@ class CEMConfig:
     noise_beta: float = 0.0
     keep_elites: int = 0
     # `max_speed` > 0: an action moves at most this far (Euclidean, action units) from the one
-    # before it, the first from `start`; the knots become waypoints the actions head for at
+    # before it, the first from `start` (in `run_episode` the agent's position, which the
+    # observed frame shows, not the last target sent); the knots become waypoints the actions head for at
     # that speed, like the scripted policies the PushT model learned from (at most 35 units
     # a step), so candidates stay in the model's training distribution. 0: targets held.
     max_speed: float = 0.0
@@ -82,7 +83,7 @@ def rate_limited(targets: np.ndarray, start: np.ndarray, max_speed: float) -> np
     """Actions [..., T, dim] that follow `targets` [..., T, dim] from `start` [dim], each at
     most `max_speed` (Euclidean) from the one before: step t moves toward target t and
     reaches it when it is that close."""
-    out = np.empty(np.broadcast_shapes(targets.shape), np.float64)
+    out = np.empty(targets.shape, np.float64)
     previous = np.broadcast_to(np.asarray(start, np.float64), targets[..., 0, :].shape)
     for t in range(targets.shape[-2]):
         step = targets[..., t, :] - previous

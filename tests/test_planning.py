@@ -508,10 +508,16 @@ def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(
 
     out = tmp_path / "ranking.json"
     cmd = ["plan_ranking.py", "--seeds", "3", "--samples", "3", "--elites", "2", "--iterations", "1"]
-    done = _benchmark(*cmd, "--plan-horizon", "8", "--proposals", "1", "--json", str(out), timeout=300)
+    # With a speed limit, so that the final mean's true rollout runs the limited actions too.
+    args = ["--plan-horizon", "8", "--proposals", "1", "--max-speed", "30", "--json", str(out)]
+    done = _benchmark(*cmd, *args, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert (report["cem"]["horizon"], report["cem"]["knot_frames"]) == (8, 4)
+    assert (report["cem"]["horizon"], report["cem"]["knot_frames"], report["cem"]["max_speed"]) == (
+        8,
+        4,
+        30.0,
+    )
     # By default the search of `eval pusht --plan --noise-beta 2 --keep-elites 2`.
     bench = _load_benchmark("plan_ranking")
     search = bench.search(bench.make_parser().parse_args([]))

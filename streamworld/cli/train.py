@@ -83,8 +83,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--jump-share",
         type=float,
         default=0.0,
-        help="share of its moves whose target jumps 40-160 units at a time and is held 4 steps, as the "
-        "planner's candidates move, instead of walking at 8-35 units a step (default 0)",
+        help="share of its moves whose target jumps toward the waypoint (up to 40-160 units a jump) and is "
+        "held 4 steps, as the planner's candidates move, instead of walking at 8-35 units a step (default 0)",
     )
     group.add_argument(
         "--workers",

@@ -8,8 +8,9 @@
 
 The action (the agent's target) moves toward the current waypoint at a limited speed, as a
 hand dragging a mouse would, so consecutive actions are close and the agent's motion is
-smooth. With `jump_share` > 0 that share of the moves instead jumps the target 40-160
-units at a time toward the waypoint and holds it `JUMP_HOLD` steps after each jump, as the
+smooth. With `jump_share` > 0 that share of the moves instead jumps the target toward the
+waypoint, by up to a step size drawn from 40-160 units (the last hop can be shorter), and
+holds it `JUMP_HOLD` steps after each jump (instead of any exploring pause), as the
 planner's candidates hold targets that jump (`planning.CEMConfig.held`), so a model
 trained on such data has seen the fast agent and hard contacts they make. Everything is
 a function of the seed and the observed scene, so episodes are reproducible; with
@@ -24,7 +25,7 @@ from .world import WORLD_SIZE, Scene
 
 GOAL_XY = np.array([256.0, 256.0])
 PUSH_SHARE = 0.6  # of the moves, by default (the shipped weights were trained on it)
-JUMP_HOLD = 4  # steps a jumped-to target is held: the planner's default knot_frames
+JUMP_HOLD = 4  # steps a jumped-to target is held: `eval pusht --plan`'s default --knot-frames
 _MARGIN = 40.0
 
 

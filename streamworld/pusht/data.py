@@ -17,7 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -139,14 +139,9 @@ class Dataset:
                 f"{folder} holds no PushT data set (no meta.json); record one with --episodes"
             )
         meta = json.loads(meta_path.read_text())
-        spec = DatasetSpec(
-            meta["episodes"],
-            meta["steps"],
-            meta["size"],
-            meta["seed"],
-            meta.get("push_share", PUSH_SHARE),
-            meta.get("jump_share", 0.0),
-        )
+        # The spec's fields as recorded; a field added since (push_share, jump_share) takes
+        # its default, which is what data recorded before it was made with.
+        spec = DatasetSpec(**{f.name: meta[f.name] for f in fields(DatasetSpec) if f.name in meta})
         frames = np.load(folder / "frames.npy", mmap_mode="r")
         actions = np.load(folder / "actions.npy")
         if frames.shape != (spec.episodes, spec.steps + 1, spec.size, spec.size, 3) or actions.shape != (

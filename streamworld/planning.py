@@ -18,6 +18,7 @@ are in `streamworld.pusht.planning`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -95,7 +96,8 @@ def rate_limited(targets: np.ndarray, start: np.ndarray, max_speed: float) -> np
 
 class Rollouts(Protocol):
     """candidates [K, H, action_dim] -> predicted frames [K, H, height, width, 3] (uint8),
-    frame h being the one action h leads to."""
+    frame h being the one action h leads to. Rollouts with `ensemble = True`
+    (`EnsembleRollouts`) answer [M, K, H, height, width, 3] instead: M models' predictions."""
 
     def __call__(self, candidates: np.ndarray) -> Awaitable[np.ndarray]: ...
 
@@ -134,7 +136,9 @@ async def cem(
     `many(frames)` is given the whole fork's frames at once instead. `keep_candidates` keeps every
     candidate's frames of the fork the plan came from (to show them). `proposals` [P, knots,
     action_dim] (e.g. `pusht.proposals.PushProposals`) take the places of P of the first
-    iteration's random samples, after the mean; the cost weighs them like any other."""
+    iteration's random samples, after the mean; the cost weighs them like any other. With
+    `EnsembleRollouts` a candidate's cost is the mean of its cost under each member, and the
+    plan's frames are the first member's."""
     config.check()
     t0 = time.perf_counter()
     knots = config.knots
@@ -153,8 +157,11 @@ async def cem(
             samples[1 : 1 + len(proposed)] = np.clip(proposed, config.low, config.high)
         candidates = config.actions(samples, start).astype(np.float32)
         frames = await rollouts(candidates)
-        many = getattr(cost, "many", None)  # a cost may score a whole fork at once
-        costs = np.asarray(many(frames)) if many is not None else np.array([cost(f) for f in frames])
+        if getattr(rollouts, "ensemble", False):  # each member scored, the costs averaged
+            costs = np.mean([_scored(cost, member) for member in frames], axis=0)
+            frames = frames[0]  # the plan shows the first member's prediction
+        else:
+            costs = _scored(cost, frames)
         pool, pool_costs = np.concatenate([samples, carried]), np.concatenate([costs, carried_costs])
         order = np.argsort(pool_costs, kind="stable")
         elite = pool[order[: config.elites]]
@@ -171,6 +178,12 @@ async def cem(
     best.seconds = time.perf_counter() - t0
     best.mean = mu  # to warm-start the next plan
     return best
+
+
+def _scored(cost: Callable[[np.ndarray], float], frames: np.ndarray) -> np.ndarray:
+    """Each candidate's cost; a cost with `many(frames)` scores the whole fork at once."""
+    many = getattr(cost, "many", None)
+    return np.asarray(many(frames)) if many is not None else np.array([cost(f) for f in frames])
 
 
 def _proposals(proposals: np.ndarray | None, room: int, knots: int, dim: int) -> np.ndarray:
@@ -281,6 +294,35 @@ class ClientRollouts:
             [{"num_chunks": chunks, "actions": c} for c in candidates], format="rgb"
         )
         return await _predicted([b.chunks() for b in branches], candidates.shape[1])
+
+
+class EnsembleRollouts:
+    """The same candidates rolled out by several models (each member `Rollouts`, e.g. an
+    `EngineRollouts` per model), concurrently: frames [M, K, H, height, width, 3], member m's
+    at [m]. `cem` averages each candidate's cost over the members, as PETS plans through an
+    ensemble, so a candidate that one model predicts wrongly is ranked by what the others
+    predict too. `close` closes every member."""
+
+    ensemble = True
+
+    def __init__(self, members: list[Rollouts]) -> None:
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        self.members = list(members)
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        return np.stack(await asyncio.gather(*(m(candidates) for m in self.members)))
+
+    async def close(self) -> None:
+        for member in self.members:
+            await close_rollouts(member)
+
+
+async def close_rollouts(rollouts: Rollouts) -> None:
+    """`rollouts.close()`, if it has one, awaited when it returns an awaitable."""
+    closed = getattr(rollouts, "close", lambda: None)()
+    if inspect.isawaitable(closed):
+        await closed
 
 
 async def _predicted(branches: list[Any], horizon: int) -> np.ndarray:

@@ -453,6 +453,9 @@ def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
         (["--budget", "0"], "--goal-steps, --budget and --execute must be at least 1"),
         (["--json", "/no/such/folder/plan.json"], "does not exist"),
         (["--cuda-graphs"], "--cuda-graphs needs a CUDA --device, not cpu"),
+        (["--ensemble", "wan"], "--ensemble wan: the model must be one of pusht, pusht-delta"),
+        (["--ensemble", "pusht=/no/such.safetensors"], "/no/such.safetensors does not exist"),
+        (["--ensemble", "pusht", "--simulator"], "drop --dit, --device, --cuda-graphs, --kv-mode, --steps"),
     ],
 )
 def test_bad_planning_arguments_give_a_one_line_error_before_the_model_loads(capsys, args, message):

@@ -39,6 +39,46 @@ def test_cem_finds_the_action_sequence_a_known_cost_wants():
     assert plan.cost == min(plan.costs) and plan.costs[-1] < plan.costs[0]
 
 
+def test_an_ensemble_scores_each_candidate_by_its_cost_averaged_over_the_members():
+    """Two fake models that disagree: one predicts the agent where the action puts it, the
+    other 100 units further. The cost wants the agent's last frame at 300: alone each model
+    would lead to 300 or to 200; their ensemble's mean cost is least at 250. Both members see
+    the same candidates, are closed after the plan, and the plan shows the first one's frames."""
+    from streamworld.planning import EnsembleRollouts, close_rollouts
+
+    seen, closed = [], []
+
+    class Member:
+        def __init__(self, shift: float) -> None:
+            self.shift = shift
+
+        async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+            seen.append((self.shift, candidates.copy()))
+            return candidates[:, :, None, None, :1] + self.shift  # [K, H, 1, 1, 1]
+
+        def close(self) -> None:
+            closed.append(self.shift)
+
+    def cost(frames: np.ndarray) -> float:
+        return float((frames[-1, 0, 0, 0] - 300.0) ** 2)
+
+    ensemble = EnsembleRollouts([Member(0.0), Member(100.0)])
+    config = CEMConfig(horizon=4, samples=64, elites=8, iterations=6, knot_frames=2, init_std=100.0)
+    plan = asyncio.run(cem(ensemble, cost, np.array([256.0, 256.0]), config, np.random.default_rng(0)))
+    assert abs(plan.actions[-1, 0] - 250.0) < 10.0
+    assert plan.cost == pytest.approx(
+        ((plan.actions[-1, 0] - 300) ** 2 + (plan.actions[-1, 0] - 200) ** 2) / 2
+    )
+    np.testing.assert_array_equal(plan.frames[:, 0, 0, 0], plan.actions[:, 0])  # member 0's frames
+    assert len(seen) == 12 and all(
+        np.array_equal(a[1], b[1]) for a, b in zip(seen[::2], seen[1::2], strict=True)
+    )
+    asyncio.run(close_rollouts(ensemble))
+    assert closed == [0.0, 100.0]
+    with pytest.raises(ValueError, match="at least one member"):
+        EnsembleRollouts([])
+
+
 def test_cem_refuses_a_bad_configuration():
     with pytest.raises(ValueError, match="elites"):
         CEMConfig(samples=4, elites=5).check()
@@ -328,6 +368,32 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert report["cost_frames"] == "best" and report["cem"]["max_speed"] == 30.0
     assert main(["eval", "pusht", "--plan", *args, "--max-speed", "-1"]) == 2
     assert "max_speed" in capsys.readouterr().err
+
+
+def test_eval_plan_with_an_ensemble_rolls_out_every_member_and_records_them(tmp_path, monkeypatch):
+    """`--ensemble pusht-delta`: one more engine; every candidate is rolled out by both models,
+    each with its own noise seed, and the report names the members."""
+    import json
+
+    from streamworld import planning
+    from streamworld.cli import main
+
+    calls = []
+    original = planning.EngineRollouts.__init__
+
+    def spy(self, engine, image, seed=0):
+        calls.append((engine.model.config.id, seed))
+        original(self, engine, image, seed)
+
+    monkeypatch.setattr(planning.EngineRollouts, "__init__", spy)
+    out = tmp_path / "plan.json"
+    args = ["--seeds", "3", "--samples", "2", "--elites", "1", "--iterations", "1", "--plan-horizon", "4"]
+    args += ["--knot-frames", "4", "--budget", "4", "--json", str(out), "--ensemble", "pusht-delta"]
+    assert main(["eval", "pusht", "--plan", *args]) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["ensemble"] == [{"model": "pusht-delta", "weights": "shipped"}]
+    assert calls == [("pusht", 3), ("pusht-delta", 3 + 1000003)]
+    assert report["episodes"][0]["branches"] == 2  # candidates, each rolled out by both members
 
 
 def test_a_replica_is_the_world_in_the_same_state_and_moves_alone():

@@ -93,6 +93,15 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help="replay the DiT's blocks from CUDA graphs (as `serve --cuda-graphs`); CUDA devices only",
     )
     plan.add_argument(
+        "--ensemble",
+        action="append",
+        metavar="MODEL[=PATH]",
+        help="also roll every candidate out with this PushT model (its shipped weights, or PATH) and "
+        "score a candidate by its cost averaged over the models, as PETS plans through an ensemble; "
+        "repeat for more members. Each member is one more engine on --device, with its own noise seed, "
+        "so the model itself again is a member too. --kv-mode and --steps apply to every member",
+    )
+    plan.add_argument(
         "--simulator",
         action="store_true",
         help="roll the candidates out in the true environment instead of the model: what a perfect "
@@ -126,29 +135,47 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace):
-    """The model to evaluate, once its weights are checked (the callers check the output
+def _load(args: argparse.Namespace, model_id: str | None = None, dit: str | None = None, flag: str = "--dit"):
+    """The model to evaluate (`args.model` with `args.dit`, or `model_id` with `dit`, read from
+    the command line's `flag`), once its weights are checked (the callers check the output
     folder first, before any time is spent)."""
     from ..models import get_preset
     from ..models.world_model import WeightPaths
 
-    if args.dit is not None and not Path(args.dit).exists():
-        raise UsageError(f"--dit: {args.dit} does not exist")
+    if model_id is None:
+        model_id, dit = args.model, args.dit
+    if dit is not None and not Path(dit).exists():
+        raise UsageError(f"{flag}: {dit} does not exist")
     # WorldModel.load's own dtype, as eval has always used (eval has no --dtype).
     options = loading.LoadOptions(device=args.device, dtype="float32")
-    config = loading.override_preset(get_preset(args.model), args)  # --steps
-    _check_kv_modes(args, config)
+    config = loading.override_preset(get_preset(model_id), args)  # --steps
+    _check_kv_modes(args, config, dit)
     if args.plan and args.kv_modes:  # the planning streams' KV mode
         config = dataclasses.replace(config, default_kv_mode=args.kv_modes[0])
-    model = loading.load_world_model(config, WeightPaths(dit=args.dit), options)
-    _check_kv_modes(args, model.config)  # weights that predict delta drop `noisy`
+    model = loading.load_world_model(config, WeightPaths(dit=dit), options)
+    _check_kv_modes(args, model.config, dit)  # weights that predict delta drop `noisy`
     return model
 
 
-def _check_kv_modes(args: argparse.Namespace, config) -> None:
+def _ensemble_members(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """--ensemble's members as (model, weights path or None), checked before anything loads."""
+    members = []
+    for spec in args.ensemble or ():
+        model_id, _, path = spec.partition("=")
+        if model_id not in PUSHT_MODELS:
+            raise UsageError(
+                f"--ensemble {spec}: the model must be one of {', '.join(PUSHT_MODELS)}, optionally =PATH"
+            )
+        if path and not Path(path).exists():
+            raise UsageError(f"--ensemble {spec}: {path} does not exist")
+        members.append((model_id, path or None))
+    return members
+
+
+def _check_kv_modes(args: argparse.Namespace, config, dit: str | None = None) -> None:
     unserved = [m for m in args.kv_modes or () if m not in config.kv_modes]
     if unserved:
-        weights = f" with {args.dit}" if args.dit else ""
+        weights = f" with {dit}" if dit else ""
         raise UsageError(
             f"--kv-mode {unserved[0]}: {config.id}{weights} serves {', '.join(config.kv_modes)} only "
             "(a model that predicts each chunk's change cannot serve noisy)"
@@ -201,11 +228,20 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError("--teacher-forced evaluates prediction: drop it with --plan")
     if args.kv_modes and len(set(args.kv_modes)) > 1:
         raise UsageError("--plan takes one --kv-mode: the KV mode of the planning streams")
-    model_options = args.dit or args.cuda_graphs or args.device != "cpu" or args.kv_modes or args.timesteps
+    model_options = (
+        args.dit
+        or args.cuda_graphs
+        or args.device != "cpu"
+        or args.kv_modes
+        or args.timesteps
+        or args.ensemble
+    )
     if args.simulator and model_options:
         raise UsageError(
-            "--simulator plans without the model: drop --dit, --device, --cuda-graphs, --kv-mode and --steps"
+            "--simulator plans without the model: drop --dit, --device, --cuda-graphs, --kv-mode, --steps "
+            "and --ensemble"
         )
+    _ensemble_members(args)
     arguments.check_output_folder("--json", args.json)
     report = asyncio.run(_plan_episodes(seeds, config, args))
     s = report["summary"]
@@ -224,7 +260,7 @@ async def _rollouts(args: argparse.Namespace, config):
     """(what plans, frame size, rollouts_for(frame, world, seed)) for `_plan_episodes`."""
     from ..engine import AsyncEngine
     from ..models import get_preset
-    from ..planning import EngineRollouts, planning_engine_config
+    from ..planning import EngineRollouts, EnsembleRollouts, planning_engine_config
     from ..pusht.planning import SimulatorRollouts
 
     if args.simulator:
@@ -236,7 +272,21 @@ async def _rollouts(args: argparse.Namespace, config):
         )
         return
     model = _load(args)
-    async with AsyncEngine(model, planning_engine_config(config.samples, args.cuda_graphs)) as engine:
+    members = [(m, dit, _load(args, m, dit, "--ensemble")) for m, dit in _ensemble_members(args)]
+    engine_config = planning_engine_config(config.samples, args.cuda_graphs)
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(AsyncEngine(model, engine_config))
+        others = [await stack.enter_async_context(AsyncEngine(m, engine_config)) for *_, m in members]
+
+        def rollouts_for(frame, world, seed):
+            if not others:
+                return EngineRollouts(engine, frame, seed)
+            # Each member draws its own noise: seeds 1,000,003 apart, as data sets' episodes are.
+            engines = [engine, *others]
+            return EnsembleRollouts(
+                [EngineRollouts(e, frame, seed + 1000003 * i) for i, e in enumerate(engines)]
+            )
+
         yield (
             {
                 "model": model.config.id,
@@ -245,9 +295,13 @@ async def _rollouts(args: argparse.Namespace, config):
                 "device": str(model.device),
                 "kv_mode": model.config.default_kv_mode,
                 "timesteps": list(model.config.denoising_steps),
+                "ensemble": [
+                    {"model": m.config.id, "weights": Path(dit).name if dit else "shipped"}
+                    for _, dit, m in members
+                ],
             },
             model.config.height,
-            lambda frame, world, seed: EngineRollouts(engine, frame, seed),
+            rollouts_for,
         )
 
 

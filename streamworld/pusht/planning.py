@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..planning import CEMConfig, Plan, Rollouts, cem
+from ..planning import CEMConfig, Plan, Rollouts, cem, close_rollouts
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
 from .proposals import PushProposals
@@ -258,7 +258,7 @@ async def run_episode(
                     rollouts, cost, start, config, rng, mean, keep_candidates=record, proposals=proposed
                 )
             finally:
-                await _close(rollouts)
+                await close_rollouts(rollouts)
             result.plans += 1
             result.plan_seconds.append(plan.seconds + proposing)
             result.branches += plan.branches
@@ -293,13 +293,6 @@ async def _opened(rollouts: Rollouts | Awaitable[Rollouts]) -> Rollouts:
     """`rollouts_for`'s answer, awaited when it is awaitable (e.g. `ClientRollouts.start`,
     a session to open)."""
     return await rollouts if inspect.isawaitable(rollouts) else rollouts
-
-
-async def _close(rollouts: Rollouts) -> None:
-    """`rollouts.close()`, if it has one, awaited when it returns an awaitable."""
-    closed = getattr(rollouts, "close", lambda: None)()
-    if inspect.isawaitable(closed):
-        await closed
 
 
 def _shifted(mean: np.ndarray | None, executed: int, knot_frames: int) -> np.ndarray | None:

@@ -65,7 +65,9 @@ def write_video(path: str, result, goal: np.ndarray, scale: int) -> None:
     framed in red), one video frame per executed step."""
     from streamworld.media import write_mp4
 
-    steps = [(plan, h) for plan in result.recorded_plans for h in range(len(plan.frames))]
+    steps = [
+        (plan, h) for plan, n in zip(result.recorded_plans, result.executed, strict=True) for h in range(n)
+    ]
     rows = []
     for i, real in enumerate(result.frames[1:]):
         plan, h = steps[i] if i < len(steps) else (None, 0)
@@ -135,6 +137,7 @@ async def run(args: argparse.Namespace) -> int:
         record=args.video is not None,
         cost_frames=args.cost_frames,
         proposals=args.proposals,
+        replan_error=args.replan_error,
     )
     position, angle = result.final_error
     outcome = "reached" if result.success else "not reached"
@@ -152,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.goal_steps, args.budget, args.iterations, args.horizon, args.scale) < 1 or args.samples < 2:
         print("error: --samples must be at least 2, and every other count at least 1", file=sys.stderr)
+        return 2
+    if args.replan_error < 0:
+        print(f"error: --replan-error must be at least 0 (0: off), got {args.replan_error}", file=sys.stderr)
         return 2
     try:
         search_config(args)

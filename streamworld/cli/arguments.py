@@ -204,7 +204,8 @@ def check_output_folder(flag: str, path: str | None) -> None:
 def add_search_arguments(group: argparse._ActionsContainer) -> None:
     """The planner's options after iCEM (--noise-beta, --keep-elites), a speed limit on its
     actions (--max-speed), which predicted frames its cost reads (--cost-frames) and push and
-    turn proposals (--proposals); all off by default."""
+    turn proposals (--proposals), and replanning when the real block strays from the prediction
+    (--replan-error); all off by default."""
     group.add_argument(
         "--noise-beta",
         type=float,
@@ -243,4 +244,13 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         "toward the goal, then to the agent's goal place) and turns (push one end of the T across, for a "
         "block near its goal but turned away from it; these come first then); the model predicts them and "
         "the cost weighs them like the rest (0-10, fewer than --samples; default 0)",
+    )
+    group.add_argument(
+        "--replan-error",
+        type=float,
+        default=0.0,
+        metavar="PX",
+        help="stop executing a plan and plan again as soon as the block in the real frame lies more than "
+        "PX pixels (of the 64 px frame; 1 px = 8 world units) from where the plan predicted it for that "
+        "step, or is seen in only one of the two; a plan that goes as predicted runs on (0: off; default 0)",
     )

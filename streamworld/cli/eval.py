@@ -216,6 +216,8 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
+    if args.replan_error < 0:
+        raise UsageError(f"--replan-error must be at least 0 (0: off), got {args.replan_error}")
     from ..pusht.proposals import check_count
 
     try:
@@ -324,6 +326,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "cost_frames": args.cost_frames,
             "cost_device": cost_device or "host",
             "proposals": args.proposals,
+            "replan_error": args.replan_error,
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
             "episodes": [r.to_json() for r in results],
@@ -348,6 +351,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
                 cost_frames=args.cost_frames,
                 cost_device=cost_device,
                 proposals=args.proposals,
+                replan_error=args.replan_error,
             )
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")

@@ -9,7 +9,8 @@ episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.
 - **Success.** DINO-WM's test on the true state: the distance between (agent x, agent y,
   block x, block y) and the goal's below 20 world units and the block's angle within pi/9.
 - **Budget.** 50 environment steps (stable-worldmodel's fixed budget); the plan is replanned
-  after `execute` steps (model-predictive control), from the newly observed frame.
+  after `execute` steps (model-predictive control), from the newly observed frame, or
+  (`replan_error`) as soon as the real block strays that far from where the plan predicted it.
 - **Cost.** How far the candidate's last predicted frame is from the goal frame: the pixel
   distances of the agent and of the block from their places in the goal frame (the
   project's locator), which fall smoothly as a candidate ends nearer, plus the squared
@@ -197,6 +198,8 @@ class EpisodeResult:
     plans: int
     plan_seconds: list[float] = field(default_factory=list)
     branches: int = 0
+    replans_early: int = 0  # plans cut short because the real block strayed from the prediction
+    executed: list[int] = field(default_factory=list)  # steps run of each plan, in order
     final_error: tuple[float, float] = (math.nan, math.nan)  # world units, degrees
     frames: list[np.ndarray] = field(default_factory=list)  # the real frames, start first
     # With record=True: each plan in order, with the frames of the candidates it was chosen from.
@@ -210,6 +213,7 @@ class EpisodeResult:
             "plans": self.plans,
             "plan_seconds": [round(s, 3) for s in self.plan_seconds],
             "branches": self.branches,
+            "replans_early": self.replans_early,
             "final_position_error": round(self.final_error[0], 2),
             "final_angle_error_deg": round(self.final_error[1], 2),
         }
@@ -227,6 +231,7 @@ async def run_episode(
     cost_frames: str = "last",
     cost_device: str | None = None,
     proposals: int = 0,
+    replan_error: float = 0.0,
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame, run the plan's
     first `execute` actions (default: the whole horizon) in the real environment, and again,
@@ -238,7 +243,12 @@ async def run_episode(
     awaitable. `cost_frames`: which predicted frames the cost reads, and `cost_device`
     where it reads them (`frame_cost`). `proposals`: this many push and turn paths read
     from the observed and goal frames join each plan's first iteration (`proposals.PushProposals`;
-    the time they take counts in the plan's)."""
+    the time they take counts in the plan's). `replan_error` (pixels; 0: off): stop executing a
+    plan and replan as soon as the block in the real frame is further than this from the block
+    in the frame the plan predicted for that step (`surprised`), so a push the model got wrong
+    is corrected at once while a plan that goes as predicted runs on."""
+    if replan_error < 0:
+        raise ValueError(f"replan_error must be >= 0, got {replan_error}")
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
@@ -265,8 +275,10 @@ async def run_episode(
             if record:
                 result.recorded_plans.append(plan)
             actions = plan.actions[: min(execute, budget - result.steps)]
-            frame = _execute(world, frame, actions, task, result, record)
-            mean = _shifted(plan.mean, execute, config.knot_frames)
+            before = result.steps
+            frame = _execute(world, frame, actions, task, result, record, plan.frames, replan_error)
+            result.executed.append(result.steps - before)
+            mean = _shifted(plan.mean, result.steps - before, config.knot_frames)
         result.final_error = state_error(world.scene, task.goal)
     finally:
         world.close()
@@ -274,11 +286,19 @@ async def run_episode(
 
 
 def _execute(
-    world: PushTWorld, frame: np.ndarray, actions: np.ndarray, task: Task, result: EpisodeResult, record: bool
+    world: PushTWorld,
+    frame: np.ndarray,
+    actions: np.ndarray,
+    task: Task,
+    result: EpisodeResult,
+    record: bool,
+    predicted: np.ndarray,
+    replan_error: float,
 ) -> np.ndarray:
-    """Run `actions` in the real environment from `frame` until the goal is reached, counting
-    the steps in `result`; the last frame observed."""
-    for action in actions:
+    """Run `actions` in the real environment from `frame` until the goal is reached, or, with
+    `replan_error`, until the real frame is `surprised` by the `predicted` one for that step
+    (with actions left), counting the steps in `result`; the last frame observed."""
+    for h, action in enumerate(actions):
         frame = world.step(action)
         result.steps += 1
         if record:
@@ -286,7 +306,19 @@ def _execute(
         if reached(world.scene, task.goal):
             result.success = True
             break
+        if replan_error and h + 1 < len(actions) and surprised(frame, predicted[h], replan_error):
+            result.replans_early += 1
+            break
     return frame
+
+
+def surprised(real: np.ndarray, predicted: np.ndarray, tolerance: float) -> bool:
+    """Whether the block in the `real` frame lies more than `tolerance` pixels from the block
+    in the `predicted` one (`locate`), or is seen in only one of them."""
+    seen, expected = locate(real).block, locate(predicted).block
+    if seen is None or expected is None:
+        return (seen is None) != (expected is None)
+    return math.dist(seen, expected) > tolerance
 
 
 async def _opened(rollouts: Rollouts | Awaitable[Rollouts]) -> Rollouts:

@@ -456,6 +456,7 @@ def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
         (["--ensemble", "wan"], "--ensemble wan: the model must be one of pusht, pusht-delta"),
         (["--ensemble", "pusht=/no/such.safetensors"], "/no/such.safetensors does not exist"),
         (["--ensemble", "pusht", "--simulator"], "drop --dit, --device, --cuda-graphs, --kv-mode, --steps"),
+        (["--replan-error", "-1"], "--replan-error must be at least 0"),
     ],
 )
 def test_bad_planning_arguments_give_a_one_line_error_before_the_model_loads(capsys, args, message):

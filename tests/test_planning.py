@@ -16,7 +16,15 @@ from streamworld.engine import AsyncEngine, EngineConfig, SchedulerConfig
 from streamworld.models import get_preset
 from streamworld.models.world_model import WorldModel
 from streamworld.planning import CEMConfig, cem, rate_limited
-from streamworld.pusht.planning import Task, frame_cost, make_task, reached, run_episode, state_error
+from streamworld.pusht.planning import (
+    Task,
+    frame_cost,
+    make_task,
+    reached,
+    run_episode,
+    state_error,
+    surprised,
+)
 from streamworld.pusht.world import Scene
 
 
@@ -443,6 +451,93 @@ async def test_simulator_rollouts_are_the_true_futures_and_plan_an_easy_goal():
         lambda frame, world: SimulatorRollouts(world), task, config, 64, budget=24, execute=8
     )
     assert result.success, result.to_json()
+
+
+def test_a_frame_is_surprised_only_by_a_block_further_than_the_tolerance_or_unseen():
+    """The start and goal frames of a task whose block is pushed ~20 px on the way: each is
+    not surprised by itself; they surprise each other at a tolerance below the block's true
+    distance and not above it; a blank frame (no block seen) and a frame with one surprise
+    each other, two blank frames do not."""
+    from streamworld.pusht.world import locate
+
+    task = make_task(3, 64)
+    world, start = task.start(64)
+    world.close()
+    goal = task.goal_frame
+    distance = math.dist(locate(start).block, locate(goal).block)
+    assert distance > 10.0  # the block really moved
+    assert not surprised(start, start, 0.0) and not surprised(goal, goal, 0.0)
+    assert surprised(goal, start, distance - 1.0) and surprised(start, goal, distance - 1.0)
+    assert not surprised(goal, start, distance + 1.0) and not surprised(start, goal, distance + 1.0)
+    blank = np.full((64, 64, 3), 255, np.uint8)
+    assert surprised(blank, start, 100.0) and surprised(start, blank, 100.0)
+    assert not surprised(blank, blank, 0.0)
+
+
+class _WrongAfterTwo:
+    """SimulatorRollouts whose frames are the truth for two steps, then shifted 20 px to the
+    right: from the third step on they are wrong about where the block is."""
+
+    def __init__(self, world) -> None:
+        from streamworld.pusht.planning import SimulatorRollouts
+
+        self.true = SimulatorRollouts(world)
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        frames = await self.true(candidates)
+        frames[:, 2:] = np.roll(frames[:, 2:], 20, axis=-2)
+        return frames
+
+    def close(self) -> None:
+        self.true.close()
+
+
+async def test_replan_error_never_cuts_short_a_plan_that_goes_as_predicted():
+    """With the true futures (SimulatorRollouts) and a block that is pushed ~14 px during the
+    episode, a tolerance of half a pixel never replans early: the same plans run as without it."""
+    from streamworld.pusht.planning import SimulatorRollouts
+    from streamworld.pusht.world import locate
+
+    config = CEMConfig(horizon=8, samples=4, elites=2, iterations=1, knot_frames=4)
+    task = make_task(5, 64)
+    runs = [
+        await run_episode(
+            lambda frame, world: SimulatorRollouts(world), task, config, 64, budget=12, record=True, **kw
+        )
+        for kw in ({}, {"replan_error": 0.5})
+    ]
+    default, replanning = runs
+    blocks = [locate(f).block for f in replanning.frames]
+    assert max(math.dist(blocks[0], b) for b in blocks) > 5.0  # the block moved as predicted
+    assert replanning.replans_early == 0 and default.replans_early == 0
+    assert replanning.executed == default.executed == [8, 4]
+    assert replanning.plans == default.plans == 2 and replanning.steps == 12
+
+
+async def test_replan_error_replans_at_the_step_the_block_strays_from_the_prediction():
+    """Rollouts right for two steps and wrong about the block after: with `replan_error` each
+    plan stops after its third step (the first one surprised) and is replanned, until the
+    budget; without it (0: off) each plan runs its whole horizon."""
+    config = CEMConfig(horizon=8, samples=4, elites=2, iterations=1, knot_frames=4)
+    task = make_task(5, 64)
+    default = await run_episode(lambda frame, world: _WrongAfterTwo(world), task, config, 64, budget=12)
+    early = await run_episode(
+        lambda frame, world: _WrongAfterTwo(world), task, config, 64, budget=12, replan_error=3.0
+    )
+    assert not default.success and not early.success
+    assert default.replans_early == 0 and default.executed == [8, 4]
+    # The last plan has only 3 steps of budget left: it runs them all, not cut short.
+    assert early.executed == [3, 3, 3, 3] and early.replans_early == 3
+    assert early.plans == 4 > default.plans and sum(early.executed) == early.steps == 12
+    assert all(n < config.horizon for n in early.executed)
+    assert early.to_json()["replans_early"] == 3
+
+
+def test_a_negative_replan_error_is_refused():
+    task = make_task(5, 64)
+    config = CEMConfig(horizon=8, samples=4, elites=2, iterations=1, knot_frames=4)
+    with pytest.raises(ValueError, match="replan_error must be >= 0"):
+        asyncio.run(run_episode(lambda frame, world: None, task, config, 64, replan_error=-1.0))
 
 
 def test_eval_plan_simulator_refuses_model_options(capsys):

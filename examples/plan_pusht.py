@@ -138,6 +138,7 @@ async def run(args: argparse.Namespace) -> int:
         cost_frames=args.cost_frames,
         proposals=args.proposals,
         replan_error=args.replan_error,
+        shape_weight=args.shape_weight,
     )
     position, angle = result.final_error
     outcome = "reached" if result.success else "not reached"
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.goal_steps, args.budget, args.iterations, args.horizon, args.scale) < 1 or args.samples < 2:
         print("error: --samples must be at least 2, and every other count at least 1", file=sys.stderr)
         return 2
-    if args.replan_error < 0:
-        print(f"error: --replan-error must be at least 0 (0: off), got {args.replan_error}", file=sys.stderr)
+    if args.replan_error < 0 or args.shape_weight < 0:
+        print("error: --replan-error and --shape-weight must be at least 0", file=sys.stderr)
         return 2
     try:
         search_config(args)

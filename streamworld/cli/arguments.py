@@ -204,8 +204,9 @@ def check_output_folder(flag: str, path: str | None) -> None:
 def add_search_arguments(group: argparse._ActionsContainer) -> None:
     """The planner's options after iCEM (--noise-beta, --keep-elites), a speed limit on its
     actions (--max-speed), which predicted frames its cost reads (--cost-frames) and push and
-    turn proposals (--proposals), and replanning when the real block strays from the prediction
-    (--replan-error); all off by default."""
+    turn proposals (--proposals), the weight of its cost's shape term (--shape-weight), and
+    replanning when the real block strays from the prediction
+    (--replan-error); all but the shape weight off by default."""
     group.add_argument(
         "--noise-beta",
         type=float,
@@ -244,6 +245,15 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         "toward the goal, then to the agent's goal place) and turns (push one end of the T across, for a "
         "block near its goal but turned away from it; these come first then); the model predicts them and "
         "the cost weighs them like the rest (0-10, fewer than --samples; default 0)",
+    )
+    group.add_argument(
+        "--shape-weight",
+        type=float,
+        default=200.0,
+        metavar="W",
+        help="weight of the cost's shape term, the mean squared difference of the block's blurred colour "
+        "maps, which carries the block's angle, beside the agent's and the block's distances in pixels "
+        "(default 200)",
     )
     group.add_argument(
         "--replan-error",

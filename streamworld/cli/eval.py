@@ -218,6 +218,8 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if args.replan_error < 0:
         raise UsageError(f"--replan-error must be at least 0 (0: off), got {args.replan_error}")
+    if args.shape_weight < 0:
+        raise UsageError(f"--shape-weight must be at least 0, got {args.shape_weight}")
     from ..pusht.proposals import check_count
 
     try:
@@ -327,6 +329,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "cost_device": cost_device or "host",
             "proposals": args.proposals,
             "replan_error": args.replan_error,
+            "shape_weight": args.shape_weight,
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
             "episodes": [r.to_json() for r in results],
@@ -352,6 +355,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
                 cost_device=cost_device,
                 proposals=args.proposals,
                 replan_error=args.replan_error,
+                shape_weight=args.shape_weight,
             )
             results.append(result)
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")

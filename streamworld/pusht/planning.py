@@ -104,8 +104,14 @@ def _block_map(weights: np.ndarray) -> np.ndarray:
 COST_FRAMES = ("last", "best")
 
 
+SHAPE_WEIGHT = 200.0  # the shape term's weight in the frame cost (`--shape-weight`)
+
+
 def frame_cost(
-    goal_frame: np.ndarray, shape_weight: float = 200.0, frames: str = "last", device: str | None = None
+    goal_frame: np.ndarray,
+    shape_weight: float = SHAPE_WEIGHT,
+    frames: str = "last",
+    device: str | None = None,
 ) -> FrameCost:
     """Cost of a candidate's predicted frames [H, S, S, 3] against the goal frame (module
     docstring): the pixel distances of the agent and of the block from where they are in
@@ -232,6 +238,7 @@ async def run_episode(
     cost_device: str | None = None,
     proposals: int = 0,
     replan_error: float = 0.0,
+    shape_weight: float = SHAPE_WEIGHT,
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame, run the plan's
     first `execute` actions (default: the whole horizon) in the real environment, and again,
@@ -243,16 +250,19 @@ async def run_episode(
     awaitable. `cost_frames`: which predicted frames the cost reads, and `cost_device`
     where it reads them (`frame_cost`). `proposals`: this many push and turn paths read
     from the observed and goal frames join each plan's first iteration (`proposals.PushProposals`;
-    the time they take counts in the plan's). `replan_error` (pixels; 0: off): stop executing a
+    the time they take counts in the plan's). `shape_weight`: the weight of the cost's shape
+    term (`frame_cost`). `replan_error` (pixels; 0: off): stop executing a
     plan and replan as soon as the block in the real frame is further than this from the block
     in the frame the plan predicted for that step (`surprised`), so a push the model got wrong
     is corrected at once while a plan that goes as predicted runs on."""
     if replan_error < 0:
         raise ValueError(f"replan_error must be >= 0, got {replan_error}")
+    if shape_weight < 0:
+        raise ValueError(f"shape_weight must be >= 0, got {shape_weight}")
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
-    cost = frame_cost(task.goal_frame, frames=cost_frames, device=cost_device)
+    cost = frame_cost(task.goal_frame, shape_weight, frames=cost_frames, device=cost_device)
     result = EpisodeResult(task.seed, reached(world.scene, task.goal), 0, 0, frames=[frame] if record else [])
     mean = None
     propose = PushProposals(task.goal_frame, proposals) if proposals else None

@@ -453,6 +453,7 @@ def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
         (["--budget", "0"], "--goal-steps, --budget and --execute must be at least 1"),
         (["--json", "/no/such/folder/plan.json"], "does not exist"),
         (["--cuda-graphs"], "--cuda-graphs needs a CUDA --device, not cpu"),
+        (["--shape-weight", "-1"], "--shape-weight must be at least 0"),
         (["--ensemble", "wan"], "--ensemble wan: the model must be one of pusht, pusht-delta"),
         (["--ensemble", "pusht=/no/such.safetensors"], "/no/such.safetensors does not exist"),
         (["--ensemble", "pusht", "--simulator"], "drop --dit, --device, --cuda-graphs, --kv-mode, --steps"),

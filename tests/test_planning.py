@@ -540,6 +540,39 @@ def test_a_negative_replan_error_is_refused():
         asyncio.run(run_episode(lambda frame, world: None, task, config, 64, replan_error=-1.0))
 
 
+def test_the_shape_weight_reaches_the_episodes_cost_and_defaults_to_the_costs(monkeypatch):
+    """`run_episode(shape_weight=W)` scores with `frame_cost(goal, W)`; the flag's default is
+    the cost's own; a negative weight is refused."""
+    import argparse
+
+    from streamworld.cli.arguments import add_search_arguments
+    from streamworld.pusht import planning as pusht_planning
+    from streamworld.pusht.planning import SHAPE_WEIGHT, SimulatorRollouts
+
+    parser = argparse.ArgumentParser()
+    add_search_arguments(parser)
+    assert parser.parse_args([]).shape_weight == SHAPE_WEIGHT == 200.0
+    weights = []
+    original = pusht_planning.frame_cost
+
+    def spy(goal_frame, shape_weight=SHAPE_WEIGHT, **kw):
+        weights.append(shape_weight)
+        return original(goal_frame, shape_weight, **kw)
+
+    monkeypatch.setattr(pusht_planning, "frame_cost", spy)
+    task = make_task(5, 64)
+    config = CEMConfig(horizon=4, samples=2, elites=1, iterations=1, knot_frames=4)
+    for w in (0.0, 50.0):
+        asyncio.run(
+            run_episode(
+                lambda frame, world: SimulatorRollouts(world), task, config, 64, budget=4, shape_weight=w
+            )
+        )
+    assert weights == [0.0, 50.0]
+    with pytest.raises(ValueError, match="shape_weight must be >= 0"):
+        asyncio.run(run_episode(lambda frame, world: None, task, config, 64, shape_weight=-1.0))
+
+
 def test_eval_plan_simulator_refuses_model_options(capsys):
     from streamworld.cli import main
 

@@ -265,6 +265,91 @@ def test_simulated_targets_continue_the_scene_the_rollout_shows(small_data, tmp_
         assert torch.equal(clip[1 : 1 + n - k], b.frames[e, starts[0] + 1 : starts[0] + 1 + n - k])
 
 
+def test_stream_clip_rollouts_are_served_streams_from_the_clips_sink_and_train_every_chunk(
+    small_data, tmp_path
+):
+    """With stream clips (`clip_chunks`), each rollout is what the reference generator serves
+    from a random frame (the clip's sink) with the clip's actions; a sample is one rollout as
+    the context copy of its true clip, the sink the frame before the clip, and every chunk is
+    trained. The training step runs on such batches."""
+    from streamworld.engine import GenerationRequest, ReferenceGenerator
+
+    trainer = _trainer(small_data, tmp_path, "stream", rollout_share=0.5, clip_chunks=3)
+    rollouts, b = trainer.rollouts, trainer.batcher
+    rollouts.refresh()
+    n, k = b.clip, b.chunk
+    assert n == 12 and rollouts.frames.shape[1] == n and rollouts.first_chunk == 1
+    for r, (e, start, seed) in enumerate(
+        zip(rollouts.episodes.tolist(), rollouts.starts.tolist(), rollouts.seeds.tolist(), strict=True)
+    ):
+        assert 1 <= start <= 16 - n + 1
+        request = GenerationRequest(
+            seed=seed,
+            num_chunks=n // k,
+            image=np.array(small_data.frames[e, start - 1]),
+            actions=small_data.actions[e, start - 1 : start - 1 + n],
+            kv_mode="final",
+        )
+        expected = ReferenceGenerator(trainer.model).generate(request).frames
+        assert torch.equal(rollouts.frames[r], torch.from_numpy(expected))
+    batch = rollouts.sample(8)
+    to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # noqa: E731
+    for clip, own, actions in zip(
+        to_uint8(batch["frames"]), to_uint8(batch["own"]), batch["actions"], strict=True
+    ):
+        (r,) = [r for r in range(len(rollouts.frames)) if torch.equal(own, rollouts.frames[r])][:1]
+        e, start = int(rollouts.episodes[r]), int(rollouts.starts[r])
+        assert torch.equal(clip[0], b.frames[e, start - 1])  # the sink: the frame before the clip
+        assert torch.equal(clip[1:], b.frames[e, start : start + n])  # the true clip as the target
+        assert torch.equal(actions, b.actions[e, start - 1 : start - 1 + n])
+    assert batch["loss_chunks"].all() and batch["loss_chunks"].shape == (8, n // k)
+    stats = trainer.train_step()
+    assert np.isfinite(stats["loss"]) and "loss_rollout" in stats
+
+
+def test_simulated_targets_of_stream_clips_continue_each_chunks_own_context(small_data, tmp_path):
+    """Stream clips with simulated targets: the first chunk keeps the true chunk (its context
+    is the true sink), each later chunk is the environment continued from the last two frames
+    of the model's own chunks before it, with the clip's actions; a chunk without a T in its
+    context is not trained, and the samples only come from rollouts with some target."""
+    from streamworld.pusht.pose import continue_frames
+
+    trainer = _trainer(
+        small_data, tmp_path, "stream-sim", rollout_share=0.5, clip_chunks=3, rollout_targets="simulated"
+    )
+    rollouts, b = trainer.rollouts, trainer.batcher
+    rollouts.refresh()  # random weights draw no T anywhere: only the true first chunks are left
+    assert rollouts.valid[:, 0].all() and not rollouts.valid[:, 1:].any() and not rollouts.has_targets
+    with pytest.raises(RuntimeError, match="no rollout chunk"):
+        rollouts.sample(2)
+    n, k = b.clip, b.chunk
+    # As if the model drew the true frames one step late (so they are not the truth).
+    index = (rollouts.starts - 1)[:, None] + torch.arange(n)
+    rollouts.frames = b.frames[rollouts.episodes[:, None], index].clone()
+    rollouts._simulate()
+    assert rollouts.valid.all()
+    rollouts.valid[0, 2] = False  # as if chunk 2 of rollout 0 had no T before it
+    batch = rollouts.sample(8)
+    to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # noqa: E731
+    seen = set()
+    for clip, own, actions, trained in zip(
+        to_uint8(batch["frames"]), to_uint8(batch["own"]), batch["actions"], batch["loss_chunks"], strict=True
+    ):
+        (r,) = [r for r in range(len(rollouts.frames)) if torch.equal(own, rollouts.frames[r])][:1]
+        seen.add(r)
+        e, start = int(rollouts.episodes[r]), int(rollouts.starts[r])
+        assert torch.equal(clip[1 : 1 + k], b.frames[e, start : start + k])  # chunk 0: the truth
+        for c in range(1, n // k):
+            expected = continue_frames(
+                (own[c * k - 2].numpy(), own[c * k - 1].numpy(), actions[c * k : (c + 1) * k].numpy())
+            )
+            assert torch.equal(clip[1 + c * k : 1 + (c + 1) * k], torch.from_numpy(expected)) == bool(
+                rollouts.valid[r, c]
+            )
+        assert trained.tolist() == rollouts.valid[r].tolist()
+    assert seen == {0, 1}
+
+
 def test_weights_grown_into_a_deeper_model_compute_the_same_and_load_at_their_depth(small_data, tmp_path):
     """`--init` weights with fewer blocks than `--layers`: the grown model predicts exactly
     what the shallower one does, and its exported weights load at their own depth, even

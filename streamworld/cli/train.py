@@ -124,7 +124,7 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "is trained. Given, every clip is a stream of its own from the frame before it and every "
         "chunk is trained exactly as served; K above 3 reaches the chunks after the window is full, "
         "where the served sink moves up to the window (each step then costs more: longer clips). "
-        "Not with --rollout-share",
+        "With --rollout-share, each rollout is one such clip",
     )
     _add_rollout_arguments(parser)
     group.add_argument(
@@ -144,7 +144,8 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="share of each batch whose context is the model's own rollout of the episode instead of "
-        "the true frames (default 0; docs/pusht.md)",
+        "the true frames; with --clip-chunks, a stream clip's earlier chunks are the model's own, as "
+        "served, and every later chunk is trained (default 0; docs/pusht.md)",
     )
     group.add_argument(
         "--rollout-targets",
@@ -171,7 +172,10 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-episodes", type=int, default=32, help="episodes rolled out per round (default 32)"
     )
     group.add_argument(
-        "--rollout-frames", type=int, default=32, help="frames per rollout, whole chunks (default 32)"
+        "--rollout-frames",
+        type=int,
+        default=32,
+        help="frames per rollout, whole chunks (default 32; with --clip-chunks a rollout is one clip)",
     )
 
 
@@ -258,10 +262,6 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
         raise UsageError("--layers must be at least 1")
     if args.clip_chunks is not None and args.clip_chunks < 1:
         raise UsageError("--clip-chunks must be at least 1")
-    if args.clip_chunks is not None and args.rollout_share > 0:
-        raise UsageError(
-            "--clip-chunks cannot be combined with --rollout-share (rollout samples are default clips)"
-        )
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
     if workdir.exists() and not workdir.is_dir():

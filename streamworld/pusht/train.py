@@ -19,11 +19,13 @@ itself. What the context copy holds decides which KV mode a sample trains for:
   reads the K/V earlier chunks wrote at the same step).
 
 - `rollout` (`rollout_share` of each batch): the model's own prediction of the episode, made
-  by the serving path from the episode's first frame and its actions (`RolloutContext`),
-  noised as in `final`; the target is still the true clip. Serving and planning read what the
-  model predicted, not the truth, and errors compound; these samples are meant to teach the
-  model to steer back from its own drift. Measured once (docs/pusht.md, round 5), they made
-  the drift worse: off by default.
+  by the serving path from the episode's first frame and its actions (`RolloutContext`; with
+  `clip_chunks`, from the frame before the clip, so that each stream clip's later chunks
+  have the model's own earlier chunks as context), noised as in `final`; the target is the
+  true clip or the environment continued from what the context shows. Serving and planning
+  read what the model predicted, not the truth, and errors compound; these samples are meant
+  to teach the model to go on from its own drift. Measured on default clips (docs/pusht.md,
+  rounds 5-7), they did not lower it: off by default.
 
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
@@ -90,8 +92,8 @@ class TrainConfig:
     # whole shape and a still one costs it to dissolve.
     block_weight: float = 0.0
     # Share of each batch whose context is the model's own rollout (`RolloutContext`); the
-    # rollouts (episodes x frames) are made again with the current weights every
-    # `rollout_every` steps.
+    # rollouts (episodes x frames; with `clip_chunks`, each one clip) are made again with the
+    # current weights every `rollout_every` steps.
     rollout_share: float = 0.0
     rollout_every: int = 100
     rollout_episodes: int = 32
@@ -234,15 +236,22 @@ class ClipBatcher:
 class RolloutContext:
     """The model's own predictions of recorded episodes, as context for training samples.
 
-    `refresh` rolls `episodes` random episodes out from their first frame with their
-    recorded actions, `frames` frames each, through the sequential reference generator (what
-    the engine serves) in `final` mode, with the weights as they are. `sample` then draws
-    clips that end with a chunk whose window is full, inside a rollout: the rollout's frames
-    at the same steps as the context copy, and as the target either the true frames
+    `refresh` rolls `episodes` random episodes out with their recorded actions through the
+    sequential reference generator (what the engine serves) in `final` mode, with the
+    weights as they are. With default clips each rollout starts from the episode's first
+    frame and runs `frames` frames, and `sample` draws clips that end with a chunk whose
+    window is full, inside a rollout: the rollout's frames at the same steps as the context
+    copy. Only that last chunk is trained: the others have no drifted context before them.
+    With stream clips (`ClipBatcher(chunks=K)`) each rollout is one clip instead: a stream
+    started from a random frame (the clip's sink) for the clip's K chunks, so that every
+    chunk after the first has the model's own earlier chunks as its context, exactly as
+    served, and is trained; the first chunk's context is the true sink alone, and its
+    target the true chunk.
+
+    The target of a chunk with the model's context is either the true frames
     (`targets="true"`) or the environment continued from the scene that the context's last
     two frames show (`"simulated"`, `pusht/pose.py: continue_frames`; chunks whose frames do
-    not show both objects, or a block within `max_mismatch` of a T, are not drawn). Only
-    the last chunk is trained: the others have no drifted context before them.
+    not show both objects, or a block within `max_mismatch` of a T, are not trained).
     """
 
     def __init__(
@@ -257,6 +266,9 @@ class RolloutContext:
         max_mismatch: float = MAX_MISMATCH,
     ) -> None:
         chunk, n = batcher.chunk, batcher.clip
+        self.stream = batcher.stream_clips
+        if self.stream:
+            frames = n  # each rollout is one stream clip
         if frames < n or frames % chunk:
             raise ValueError(
                 f"rollouts need whole chunks of {chunk} frames and at least {n} frames, got {frames}"
@@ -271,13 +283,16 @@ class RolloutContext:
         self.num_episodes, self.num_frames = episodes, frames
         self.targets, self.workers, self.max_mismatch = targets, workers, max_mismatch
         self.episodes: torch.Tensor | None = None  # [R] data set episodes of the rollouts
+        self.starts: torch.Tensor | None = None  # [R] the step of each rollout's first frame, 1 up
         self.seeds: torch.Tensor | None = None  # [R] their noise seeds
         self.frames: torch.Tensor | None = None  # uint8 [R, frames, S, S, 3]: frames 1..frames
         # "simulated": uint8 [R, chunks, chunk, S, S, 3], the target of trained chunk c, and
         # [R, chunks] bool, which ones exist.
         self.simulated: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
-        self.first_chunk = n // chunk - 1  # the first chunk whose window is full
+        # The first chunk trained on the model's context: by default the first whose window is
+        # full; in a stream clip the second (the first has the true sink alone before it).
+        self.first_chunk = 1 if self.stream else n // chunk - 1
         self.refreshes = 0
         self.skipped = 0  # batches made without rollout samples, since no chunk had a target
         self.chunks_simulated = 0  # "simulated": chunks simulated so far,
@@ -290,24 +305,30 @@ class RolloutContext:
         from ..engine import GenerationRequest, ReferenceGenerator
 
         b, dev = self.batcher, self.batcher.device
-        episodes = torch.randint(0, b.frames.shape[0], (self.num_episodes,), generator=self.gen, device=dev)
-        seeds = torch.randint(0, 2**31 - 1, (self.num_episodes,), generator=self.gen, device=dev)
+        r = self.num_episodes
+        episodes = torch.randint(0, b.frames.shape[0], (r,), generator=self.gen, device=dev)
+        if self.stream:  # the clip's first frame, as ClipBatcher draws it: the sink is the one before
+            starts = torch.randint(1, b.steps - self.num_frames + 2, (r,), generator=self.gen, device=dev)
+        else:
+            starts = torch.ones(r, dtype=torch.long, device=dev)
+        seeds = torch.randint(0, 2**31 - 1, (r,), generator=self.gen, device=dev)
         generator = ReferenceGenerator(self.model)
         frames = []
-        for e, seed in zip(episodes.tolist(), seeds.tolist(), strict=True):
+        for e, start, seed in zip(episodes.tolist(), starts.tolist(), seeds.tolist(), strict=True):
             request = GenerationRequest(
                 seed=seed,
                 num_chunks=self.num_frames // b.chunk,
-                image=b.frames[e, 0].cpu().numpy(),
-                actions=b.actions[e, : self.num_frames].cpu().numpy(),
+                image=b.frames[e, start - 1].cpu().numpy(),
+                actions=b.actions[e, start - 1 : start - 1 + self.num_frames].cpu().numpy(),
                 kv_mode="final",
             )
             frames.append(torch.from_numpy(generator.generate(request).frames))
-        self.episodes, self.seeds = episodes, seeds
+        self.episodes, self.starts, self.seeds = episodes, starts, seeds
         self.frames = torch.stack(frames).to(dev)
         chunks = self.num_frames // b.chunk
         self.valid = torch.zeros(len(episodes), chunks, dtype=torch.bool, device=dev)
-        self.valid[:, self.first_chunk :] = True
+        # A stream clip's first chunk has the true sink alone as context: trained on the truth.
+        self.valid[:, 0 if self.stream else self.first_chunk :] = True
         if self.targets == "simulated":
             self._simulate()
         self.refreshes += 1
@@ -317,10 +338,13 @@ class RolloutContext:
         from .pose import continue_frames
 
         assert self.frames is not None and self.episodes is not None and self.valid is not None
+        assert self.starts is not None
         start = time.perf_counter()
         b, k = self.batcher, self.batcher.chunk
         own = self.frames.cpu().numpy()
-        actions = b.actions[self.episodes].cpu().numpy()
+        # The actions of each rollout, from its first frame's (the action before frame f is f - 1).
+        steps = (self.starts - 1)[:, None] + torch.arange(own.shape[1], device=self.starts.device)
+        actions = b.actions[self.episodes[:, None], steps].cpu().numpy()
         pairs = [(r, c) for r in range(len(own)) for c in range(self.first_chunk, own.shape[1] // k)]
         # The context's last frame before chunk c is frame c k, at c k - 1 in the rollout.
         jobs = [
@@ -343,7 +367,8 @@ class RolloutContext:
 
     @property
     def has_targets(self) -> bool:
-        return self.valid is not None and bool(self.valid.any())
+        """Whether some chunk with the model's own context before it has a target."""
+        return self.valid is not None and bool(self.valid[:, self.first_chunk :].any())
 
     def close(self) -> None:
         """Stop the simulation processes, if any."""
@@ -355,15 +380,17 @@ class RolloutContext:
     def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
         if self.frames is None or self.episodes is None or self.valid is None:
             raise RuntimeError("refresh() the rollouts before sampling them")
+        if not self.has_targets:
+            raise RuntimeError(
+                "no rollout chunk has a target: no context frame shows the agent and a T-shaped block"
+            )
+        if self.stream:
+            return self._sample_streams(batch_size)
         b, g, dev = self.batcher, self.gen, self.batcher.device
         n, chunk = b.clip, b.chunk
         # The trained chunk c starts at frame 1 + c * chunk; the clip ends with it and starts at
         # frame 1 at the earliest, so c >= n / chunk - 1 (its window is then full).
         candidates = self.valid.nonzero()
-        if not len(candidates):
-            raise RuntimeError(
-                "no rollout chunk has a target: no context frame shows the agent and a T-shaped block"
-            )
         drawn = candidates[torch.randint(0, len(candidates), (batch_size,), generator=g, device=dev)]
         pick, c = drawn[:, 0], drawn[:, 1]
         index = (1 + (c + 1) * chunk - n)[:, None] + torch.arange(n, device=dev)  # frames of the clip
@@ -382,6 +409,33 @@ class RolloutContext:
             "actions": b.actions[episodes[:, None], index - 1],
             "loss_chunks": loss_chunks,
             "own": frames_from_uint8(own),
+        }
+
+    def _sample_streams(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """Stream-clip samples: whole rollouts, each the clip from its start, its sink the frame
+        before; every chunk with a target is trained (`valid`)."""
+        assert self.frames is not None and self.episodes is not None and self.starts is not None
+        assert self.valid is not None
+        b, dev, k = self.batcher, self.batcher.device, self.batcher.chunk
+        useful = self.valid[:, self.first_chunk :].any(1).nonzero()[:, 0]  # rollouts with a target
+        pick = useful[torch.randint(0, len(useful), (batch_size,), generator=self.gen, device=dev)]
+        episodes, starts = self.episodes[pick], self.starts[pick]
+        index = starts[:, None] + torch.arange(b.clip, device=dev)  # the clip's frames
+        clip = b.frames[episodes[:, None], index]
+        valid = self.valid[pick]
+        if self.targets == "simulated":
+            assert self.simulated is not None
+            simulated = self.simulated[pick].flatten(1, 2)  # [B, L, S, S, 3]
+            chosen = valid.clone()
+            chosen[:, 0] = False  # the first chunk's target is the true chunk
+            chosen = chosen.repeat_interleave(k, 1)[:, :, None, None, None]
+            clip = torch.where(chosen, simulated, clip)
+        sink = b.frames[episodes, starts - 1][:, None]
+        return {
+            "frames": frames_from_uint8(torch.cat([sink, clip], 1)),
+            "actions": b.actions[episodes[:, None], index - 1],
+            "loss_chunks": valid,
+            "own": frames_from_uint8(self.frames[pick]),
         }
 
 
@@ -542,8 +596,6 @@ class Trainer:
             raise ValueError(f"rollout_share must be in [0, 1], got {cfg.rollout_share}")
         if cfg.rollout_share == 0:
             return None
-        if self.batcher.stream_clips:
-            raise ValueError("rollout samples are drawn as default clips: leave clip_chunks unset with them")
         return RolloutContext(
             self.model,
             self.batcher,

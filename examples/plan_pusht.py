@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.goal_steps, args.budget, args.iterations, args.horizon, args.scale) < 1 or args.samples < 2:
         print("error: --samples must be at least 2, and every other count at least 1", file=sys.stderr)
         return 2
-    if args.replan_error < 0 or args.shape_weight < 0:
+    if not (args.replan_error >= 0 and args.shape_weight >= 0):  # also refuses nan
         print("error: --replan-error and --shape-weight must be at least 0", file=sys.stderr)
         return 2
     try:

@@ -314,8 +314,15 @@ class EnsembleRollouts:
         return np.stack(await asyncio.gather(*(m(candidates) for m in self.members)))
 
     async def close(self) -> None:
+        """Close every member, even when one of them fails to close (the first error is raised)."""
+        errors = []
         for member in self.members:
-            await close_rollouts(member)
+            try:
+                await close_rollouts(member)
+            except Exception as e:  # the others are still closed
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 async def close_rollouts(rollouts: Rollouts) -> None:

@@ -456,7 +456,11 @@ def test_the_engine_refuses_cuda_graphs_on_a_cpu(tiny_model):
         (["--shape-weight", "-1"], "--shape-weight must be at least 0"),
         (["--ensemble", "wan"], "--ensemble wan: the model must be one of pusht, pusht-delta"),
         (["--ensemble", "pusht=/no/such.safetensors"], "/no/such.safetensors does not exist"),
-        (["--ensemble", "pusht", "--simulator"], "drop --dit, --device, --cuda-graphs, --kv-mode, --steps"),
+        (["--ensemble", "pusht", "--simulator"], "--kv-mode, --steps and --ensemble"),
+        (["--ensemble", "pusht="], "give a weights file after ="),
+        (["--kv-mode", "noisy", "--ensemble", "pusht-delta"], "pusht-delta serves clean, final only"),
+        (["--shape-weight", "nan"], "--shape-weight must be at least 0"),
+        (["--replan-error", "nan"], "--replan-error must be at least 0"),
         (["--replan-error", "-1"], "--replan-error must be at least 0"),
     ],
 )

@@ -72,7 +72,9 @@ def test_an_ensemble_scores_each_candidate_by_its_cost_averaged_over_the_members
 
     ensemble = EnsembleRollouts([Member(0.0), Member(100.0)])
     config = CEMConfig(horizon=4, samples=64, elites=8, iterations=6, knot_frames=2, init_std=100.0)
-    plan = asyncio.run(cem(ensemble, cost, np.array([256.0, 256.0]), config, np.random.default_rng(0)))
+    start = np.array([256.0, 256.0])
+    plan = asyncio.run(cem(ensemble, cost, start, config, np.random.default_rng(0), keep_candidates=True))
+    assert plan.candidates.shape == (64, 4, 1, 1, 1)  # the first member's frames of the fork
     assert abs(plan.actions[-1, 0] - 250.0) < 10.0
     assert plan.cost == pytest.approx(
         ((plan.actions[-1, 0] - 300) ** 2 + (plan.actions[-1, 0] - 200) ** 2) / 2
@@ -83,6 +85,15 @@ def test_an_ensemble_scores_each_candidate_by_its_cost_averaged_over_the_members
     )
     asyncio.run(close_rollouts(ensemble))
     assert closed == [0.0, 100.0]
+
+    class Broken(Member):
+        def close(self) -> None:
+            raise OSError("gone")
+
+    closed.clear()
+    with pytest.raises(OSError, match="gone"):
+        asyncio.run(close_rollouts(EnsembleRollouts([Broken(1.0), Member(2.0)])))
+    assert closed == [2.0]  # the member after the broken one is still closed
     with pytest.raises(ValueError, match="at least one member"):
         EnsembleRollouts([])
 
@@ -385,6 +396,7 @@ def test_eval_plan_with_an_ensemble_rolls_out_every_member_and_records_them(tmp_
 
     from streamworld import planning
     from streamworld.cli import main
+    from streamworld.pusht import planning as pusht_planning
 
     calls = []
     original = planning.EngineRollouts.__init__
@@ -394,12 +406,22 @@ def test_eval_plan_with_an_ensemble_rolls_out_every_member_and_records_them(tmp_
         original(self, engine, image, seed)
 
     monkeypatch.setattr(planning.EngineRollouts, "__init__", spy)
+    options = []
+    episode = pusht_planning.run_episode
+
+    async def run_episode(*a, **kw):
+        options.append((kw["replan_error"], kw["shape_weight"]))
+        return await episode(*a, **kw)
+
+    monkeypatch.setattr(pusht_planning, "run_episode", run_episode)
     out = tmp_path / "plan.json"
     args = ["--seeds", "3", "--samples", "2", "--elites", "1", "--iterations", "1", "--plan-horizon", "4"]
     args += ["--knot-frames", "4", "--budget", "4", "--json", str(out), "--ensemble", "pusht-delta"]
+    args += ["--replan-error", "4", "--shape-weight", "150"]
     assert main(["eval", "pusht", "--plan", *args]) == 0
     report = json.loads(out.read_text())
     assert report["complete"] and report["ensemble"] == [{"model": "pusht-delta", "weights": "shipped"}]
+    assert options == [(4.0, 150.0)] and report["replan_error"] == 4.0 and report["shape_weight"] == 150.0
     assert calls == [("pusht", 3), ("pusht-delta", 3 + 1000003)]
     assert report["episodes"][0]["branches"] == 2  # candidates, each rolled out by both members
 

@@ -197,6 +197,21 @@ def test_train_cli_trains_on_its_own_rollouts(tmp_path):
     assert all("loss_rollout" in entry for entry in summary["history"])
 
 
+def test_train_cli_trains_stream_clips_on_its_own_rollouts(tmp_path, capsys):
+    """`--clip-chunks` with `--rollout-share`: rollouts are stream clips, every batch has
+    rollout samples; one-chunk clips, which leave no chunk with the model's own context, are
+    refused."""
+    work = tmp_path / "w"
+    argv = ["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "3", "--clip-chunks", "3"]
+    assert cli_main([*argv, "--rollout-share", "0.5"]) == 0
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert summary["step"] == 3 and summary["rollout_refreshes"] == 2
+    assert all("loss_rollout" in entry for entry in summary["history"])
+    argv[-1] = "1"
+    assert cli_main([*argv, "--rollout-share", "0.5"]) == 2
+    assert "needs 2 chunks or more" in capsys.readouterr().err
+
+
 def test_train_cli_with_simulated_targets_trains_on_when_no_frame_shows_a_t(tmp_path):
     """The smoke model's random weights draw no T, so no rollout chunk gets a simulated
     target: every batch is made of true-context clips, and the summary says so."""

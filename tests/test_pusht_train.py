@@ -320,6 +320,7 @@ def test_simulated_targets_of_stream_clips_continue_each_chunks_own_context(smal
     rollouts, b = trainer.rollouts, trainer.batcher
     rollouts.refresh()  # random weights draw no T anywhere: only the true first chunks are left
     assert rollouts.valid[:, 0].all() and not rollouts.valid[:, 1:].any() and not rollouts.has_targets
+    assert rollouts.chunks_with_target == 0 and rollouts.chunks_simulated == 2 * 2  # chunks 1-2 of each
     with pytest.raises(RuntimeError, match="no rollout chunk"):
         rollouts.sample(2)
     n, k = b.clip, b.chunk

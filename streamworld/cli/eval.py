@@ -159,15 +159,20 @@ def _load(args: argparse.Namespace, model_id: str | None = None, dit: str | None
 
 def _ensemble_members(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """--ensemble's members as (model, weights path or None), checked before anything loads."""
+    from ..models import get_preset
+
     members = []
     for spec in args.ensemble or ():
-        model_id, _, path = spec.partition("=")
+        model_id, equals, path = spec.partition("=")
         if model_id not in PUSHT_MODELS:
             raise UsageError(
                 f"--ensemble {spec}: the model must be one of {', '.join(PUSHT_MODELS)}, optionally =PATH"
             )
+        if equals and not path:
+            raise UsageError(f"--ensemble {spec}: give a weights file after =, or drop the =")
         if path and not Path(path).exists():
             raise UsageError(f"--ensemble {spec}: {path} does not exist")
+        _check_kv_modes(args, get_preset(model_id), path or None)  # before any model loads
         members.append((model_id, path or None))
     return members
 
@@ -216,9 +221,9 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
-    if args.replan_error < 0:
+    if not args.replan_error >= 0:  # also refuses nan
         raise UsageError(f"--replan-error must be at least 0 (0: off), got {args.replan_error}")
-    if args.shape_weight < 0:
+    if not args.shape_weight >= 0:
         raise UsageError(f"--shape-weight must be at least 0, got {args.shape_weight}")
     from ..pusht.proposals import check_count
 

@@ -175,7 +175,8 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "--rollout-frames",
         type=int,
         default=32,
-        help="frames per rollout, whole chunks (default 32; with --clip-chunks a rollout is one clip)",
+        help="frames per rollout, whole chunks (default 32; ignored with --clip-chunks: a rollout is then "
+        "one clip)",
     )
 
 
@@ -262,6 +263,11 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
         raise UsageError("--layers must be at least 1")
     if args.clip_chunks is not None and args.clip_chunks < 1:
         raise UsageError("--clip-chunks must be at least 1")
+    if args.clip_chunks is not None and args.clip_chunks < 2 and args.rollout_share > 0:
+        raise UsageError(
+            "--rollout-share with --clip-chunks needs 2 chunks or more: "
+            "a clip's first chunk has no own context"
+        )
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
     if workdir.exists() and not workdir.is_dir():

@@ -255,9 +255,9 @@ async def run_episode(
     plan and replan as soon as the block in the real frame is further than this from the block
     in the frame the plan predicted for that step (`surprised`), so a push the model got wrong
     is corrected at once while a plan that goes as predicted runs on."""
-    if replan_error < 0:
+    if not replan_error >= 0:  # also refuses nan
         raise ValueError(f"replan_error must be >= 0, got {replan_error}")
-    if shape_weight < 0:
+    if not shape_weight >= 0:
         raise ValueError(f"shape_weight must be >= 0, got {shape_weight}")
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)

@@ -25,7 +25,7 @@ itself. What the context copy holds decides which KV mode a sample trains for:
   true clip or the environment continued from what the context shows. Serving and planning
   read what the model predicted, not the truth, and errors compound; these samples are meant
   to teach the model to go on from its own drift. Measured on default clips (docs/pusht.md,
-  rounds 5-7), they did not lower it: off by default.
+  rounds 5-7), they barely lowered it: off by default.
 
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
@@ -346,7 +346,7 @@ class RolloutContext:
         steps = (self.starts - 1)[:, None] + torch.arange(own.shape[1], device=self.starts.device)
         actions = b.actions[self.episodes[:, None], steps].cpu().numpy()
         pairs = [(r, c) for r in range(len(own)) for c in range(self.first_chunk, own.shape[1] // k)]
-        # The context's last frame before chunk c is frame c k, at c k - 1 in the rollout.
+        # The context's last frame before chunk c is the rollout's frame c k (from its start), at c k - 1.
         jobs = [
             (own[r, c * k - 2], own[r, c * k - 1], actions[r, c * k : (c + 1) * k], self.max_mismatch)
             for r, c in pairs
@@ -362,7 +362,7 @@ class RolloutContext:
                 simulated[r, c] = frames
         self.simulated = torch.from_numpy(simulated).to(b.device)
         self.chunks_simulated += len(pairs)
-        self.chunks_with_target += int(self.valid.sum())
+        self.chunks_with_target += int(self.valid[:, self.first_chunk :].sum())
         self.simulate_seconds += time.perf_counter() - start
 
     @property
@@ -596,6 +596,10 @@ class Trainer:
             raise ValueError(f"rollout_share must be in [0, 1], got {cfg.rollout_share}")
         if cfg.rollout_share == 0:
             return None
+        if self.batcher.stream_clips and self.batcher.num_chunks < 2:
+            raise ValueError(
+                "rollouts on stream clips need clips of 2 chunks or more: the first has no own context"
+            )
         return RolloutContext(
             self.model,
             self.batcher,

@@ -156,12 +156,7 @@ async def cem(
         if iteration == 0 and len(proposed):
             samples[1 : 1 + len(proposed)] = np.clip(proposed, config.low, config.high)
         candidates = config.actions(samples, start).astype(np.float32)
-        frames = await rollouts(candidates)
-        if getattr(rollouts, "ensemble", False):  # each member scored, the costs averaged
-            costs = np.mean([_scored(cost, member) for member in frames], axis=0)
-            frames = frames[0]  # the plan shows the first member's prediction
-        else:
-            costs = _scored(cost, frames)
+        frames, costs = await _rolled_out(rollouts, cost, candidates)
         pool, pool_costs = np.concatenate([samples, carried]), np.concatenate([costs, carried_costs])
         order = np.argsort(pool_costs, kind="stable")
         elite = pool[order[: config.elites]]
@@ -178,6 +173,17 @@ async def cem(
     best.seconds = time.perf_counter() - t0
     best.mean = mu  # to warm-start the next plan
     return best
+
+
+async def _rolled_out(
+    rollouts: Rollouts, cost: Callable[[np.ndarray], float], candidates: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The fork's predicted frames [K, H, ...] and costs [K]; from an ensemble, each member's
+    frames are scored and the costs averaged, and the frames are the first member's."""
+    frames = await rollouts(candidates)
+    if getattr(rollouts, "ensemble", False):
+        return frames[0], np.mean([_scored(cost, member) for member in frames], axis=0)
+    return frames, _scored(cost, frames)
 
 
 def _scored(cost: Callable[[np.ndarray], float], frames: np.ndarray) -> np.ndarray:

@@ -246,6 +246,11 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
         "block near its goal but turned away from it; these come first then); the model predicts them and "
         "the cost weighs them like the rest (0-10, fewer than --samples; default 0)",
     )
+    _add_cost_and_replanning_arguments(group)
+
+
+def _add_cost_and_replanning_arguments(group: argparse._ActionsContainer) -> None:
+    """--shape-weight (the cost's shape term) and --replan-error (replanning on surprise)."""
     group.add_argument(
         "--shape-weight",
         type=float,

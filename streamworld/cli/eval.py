@@ -215,6 +215,16 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         keep_elites=args.keep_elites,
         max_speed=args.max_speed,
     )
+    _check_plan_arguments(args, config)
+    arguments.check_output_folder("--json", args.json)
+    report = asyncio.run(_plan_episodes(seeds, config, args))
+    _print_plan_summary(report["summary"])
+    _write(args, report)
+    return 0
+
+
+def _check_plan_arguments(args: argparse.Namespace, config) -> None:
+    """Every --plan argument checked before anything loads (UsageError with the reason)."""
     try:
         config.check()
     except ValueError as e:
@@ -251,17 +261,15 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
             "and --ensemble"
         )
     _ensemble_members(args)
-    arguments.check_output_folder("--json", args.json)
-    report = asyncio.run(_plan_episodes(seeds, config, args))
-    s = report["summary"]
+
+
+def _print_plan_summary(s: dict) -> None:
     print("| episodes | success | mean steps | plan s (mean / p90) | branches/s |")
     print("| --- | --- | --- | --- | --- |")
     print(
         f"| {s['episodes']} | {s['success_rate']:.0%} | {s['mean_steps']:.1f} | "
         f"{s['plan_seconds_mean']:.2f} / {s['plan_seconds_p90']:.2f} | {s['branches_per_second']:.1f} |"
     )
-    _write(args, report)
-    return 0
 
 
 @contextlib.asynccontextmanager

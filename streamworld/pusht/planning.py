@@ -268,19 +268,9 @@ async def run_episode(
     propose = PushProposals(task.goal_frame, proposals) if proposals else None
     try:
         while not result.success and result.steps < budget:
-            t0 = time.perf_counter()
-            proposed = propose(frame, config.knots) if propose else None
-            proposing = time.perf_counter() - t0  # counted in the plan's time
-            start = np.array(world.scene.agent)
-            rollouts = await _opened(rollouts_for(frame, world))
-            try:
-                plan: Plan = await cem(
-                    rollouts, cost, start, config, rng, mean, keep_candidates=record, proposals=proposed
-                )
-            finally:
-                await close_rollouts(rollouts)
+            plan = await _plan(rollouts_for, frame, world, cost, config, rng, mean, record, propose)
             result.plans += 1
-            result.plan_seconds.append(plan.seconds + proposing)
+            result.plan_seconds.append(plan.seconds)
             result.branches += plan.branches
             if record:
                 result.recorded_plans.append(plan)
@@ -293,6 +283,32 @@ async def run_episode(
     finally:
         world.close()
     return result
+
+
+async def _plan(
+    rollouts_for: Callable[[np.ndarray, PushTWorld], Rollouts | Awaitable[Rollouts]],
+    frame: np.ndarray,
+    world: PushTWorld,
+    cost: FrameCost,
+    config: CEMConfig,
+    rng: np.random.Generator,
+    mean: np.ndarray | None,
+    record: bool,
+    propose: PushProposals | None,
+) -> Plan:
+    """One `cem` plan from the observed `frame` on rollouts opened for it and closed after;
+    the time the proposals took counts in the plan's `seconds`."""
+    t0 = time.perf_counter()
+    proposed = propose(frame, config.knots) if propose else None
+    proposing = time.perf_counter() - t0
+    start = np.array(world.scene.agent)
+    rollouts = await _opened(rollouts_for(frame, world))
+    try:
+        plan = await cem(rollouts, cost, start, config, rng, mean, keep_candidates=record, proposals=proposed)
+    finally:
+        await close_rollouts(rollouts)
+    plan.seconds += proposing
+    return plan
 
 
 def _execute(

@@ -118,6 +118,38 @@ def test_block_mask_finds_the_block_the_locator_finds():
     assert expected.sum() > 50 and np.array_equal(mask[0, 0, 0].numpy(), expected)
 
 
+def test_train_cli_stops_on_sigterm_with_a_checkpoint_and_the_weights(tmp_path, capsys, monkeypatch):
+    """SIGTERM (as `timeout` sends it) ends the run after the current step like --minutes
+    does: exit 0, a checkpoint to resume from, the exported weights and a summary naming it;
+    the process's own handlers are back afterwards."""
+    import os
+    import signal
+
+    from streamworld.pusht.train import Trainer
+
+    step = Trainer.train_step
+
+    def train_step(self):
+        out = step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    before = signal.getsignal(signal.SIGTERM)
+    work = tmp_path / "w"
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "4"]) == 0
+    summary = json.loads((work / "train_summary.json").read_text())
+    assert summary["step"] == 2 and summary["stopped_by"] == "SIGTERM"
+    assert (work / "pusht.safetensors").is_file() and (work / "checkpoint.pt").is_file()
+    assert "stopped at step 2 of 4 (SIGTERM)" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "4"]) == 0
+    resumed = json.loads((work / "train_summary.json").read_text())
+    assert resumed["step"] == 4 and resumed["steps_this_run"] == 2 and resumed["stopped_by"] is None
+
+
 def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, capsys):
     work = tmp_path / "w"
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]) == 0

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..pusht.data import ROLLOUT_TARGETS
@@ -21,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="train the embedded PushT world model",
         description=(
             "Record PushT episodes (when the data folder has none yet) and train the pusht world model "
-            "with flow matching. A run stops after --minutes and saves a checkpoint in --workdir; running "
+            "with flow matching. A run stops after --minutes of training (SIGTERM or Ctrl-C stop it "
+            "early the same way, after the current step) and saves a checkpoint in --workdir; running "
             "the same command again resumes it, until --total-steps. Every run exports the EMA weights "
             "(float16 safetensors), which `streamworld serve --model pusht --dit PATH` serves "
             "instead of the built-in ones. The "
@@ -96,7 +102,11 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training schedule")
     group.add_argument(
-        "--minutes", type=float, default=10.0, help="wall-time budget of this run (default 10)"
+        "--minutes",
+        type=float,
+        default=10.0,
+        help="wall-time budget of this run's training steps (default 10); recording the data and "
+        "loading come before it, compiling is inside it",
     )
     group.add_argument(
         "--total-steps", type=int, default=12_000, help="length of the whole schedule (default 12000)"
@@ -289,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(config, train_config, data, workdir, device=device, init=args.init)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
-    summary = trainer.run(args.minutes)
+    with _stop_on_signals(trainer):
+        summary = trainer.run(args.minutes)
     out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
     summary["weights"] = str(out)
     summary["weights_bytes"] = out.stat().st_size
@@ -299,7 +310,37 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2))
     if trainer.step < train_config.total_steps:
         print(
-            f"stopped at step {trainer.step} of {train_config.total_steps}: "
+            f"stopped at step {trainer.step} of {train_config.total_steps}"
+            f"{f' ({trainer.stop_requested})' if trainer.stop_requested else ''}: "
             "run the same command again to resume"
         )
     return 0
+
+
+@contextlib.contextmanager
+def _stop_on_signals(trainer) -> Iterator[None]:
+    """SIGTERM (what `timeout` and job schedulers send) or Ctrl-C end the training after
+    its current step, with a checkpoint and the exported weights, as --minutes does; a
+    second one stops at once (the checkpoint is still written, the weights are not)."""
+
+    def request_stop(signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if trainer.stop_requested is not None:
+            raise KeyboardInterrupt
+        trainer.stop_requested = name
+        print(
+            f"\n{name}: stopping after this step, then saving a checkpoint and the weights "
+            "(send it again to stop at once)",
+            file=sys.stderr,
+        )
+
+    if threading.current_thread() is not threading.main_thread():  # handlers live there only
+        yield
+        return
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, request_stop) for s in handled}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

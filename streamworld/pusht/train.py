@@ -587,6 +587,9 @@ class Trainer:
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
         self.history: list[dict] = []
+        # Set (to a reason, e.g. "SIGTERM") to end `run` after the current step, with a
+        # checkpoint, as if its time were up (`cli/train.py` sets it on SIGTERM and Ctrl-C).
+        self.stop_requested: str | None = None
         self._load_checkpoint()
 
     def _rollout_context(self) -> RolloutContext | None:
@@ -787,7 +790,8 @@ class Trainer:
             torch._foreach_lerp_(targets, floats, 1 - decay)
 
     def run(self, minutes: float, progress: bool = True) -> dict:
-        """Train until `total_steps` or `minutes` of wall time, checkpointing on the way."""
+        """Train until `total_steps`, `minutes` of wall time or `stop_requested`,
+        checkpointing on the way and at the end."""
         from tqdm import tqdm
 
         start = time.perf_counter()
@@ -802,7 +806,11 @@ class Trainer:
         )
         window: list[dict] = []
         try:
-            while self.step < self.cfg.total_steps and time.perf_counter() < deadline:
+            while (
+                self.step < self.cfg.total_steps
+                and time.perf_counter() < deadline
+                and self.stop_requested is None
+            ):
                 window.append(self.train_step())
                 bar.update()
                 if self.step % self.cfg.log_every == 0 or self.step == self.cfg.total_steps:
@@ -824,6 +832,7 @@ class Trainer:
             "total_steps": self.cfg.total_steps,
             "seconds": round(elapsed, 1),
             "steps_per_second": round((self.step - first) / max(elapsed, 1e-9), 2),
+            "stopped_by": self.stop_requested,
             "rollout_refreshes": self.rollouts.refreshes if self.rollouts is not None else 0,
             **self._rollout_summary(),
             "last": self.history[-1] if self.history else None,

@@ -149,6 +149,25 @@ async def test_image_and_action_streams_match_the_reference_with_actions_arrivin
         assert outputs[0].first_frame == 1  # the image is frame 0 and is not sent back
 
 
+def test_offline_generation_serves_every_request_as_the_reference_does(tiny_model):
+    """`generate_all_sync` (training's rollouts use it) returns each request's frames, in
+    order, equal to the reference generator's up to float rounding; a request without an end
+    is refused before anything runs."""
+    from streamworld.engine import generate_all_sync
+
+    specs = [(3, "final", "a"), (4, "clean", "b"), (5, "noisy", "")]
+    requests = [StreamRequest(seed=s, num_chunks=2, prompt=p, kv_mode=m) for s, m, p in specs]
+    frames = generate_all_sync(tiny_model, requests)
+    assert len(frames) == len(specs)
+    for (seed, mode, prompt), got in zip(specs, frames, strict=True):
+        expected = reference(tiny_model, seed, 2, prompt, mode).frames
+        assert got.shape == expected.shape and got.dtype == np.uint8
+        assert np.abs(got.astype(int) - expected.astype(int)).max() <= 2
+    assert generate_all_sync(tiny_model, []) == []
+    with pytest.raises(ValueError, match="num_chunks"):
+        generate_all_sync(tiny_model, [StreamRequest(seed=0)])
+
+
 async def test_noisy_mode_runs_chunk_c_step_k_before_chunk_c_minus_1_finishes(tiny_model):
     async with AsyncEngine(tiny_model, engine_config(num_stages=2, trace=True)) as engine:
         outputs = await collect(engine.open_stream(StreamRequest(seed=9, num_chunks=4, kv_mode="noisy")))

@@ -138,6 +138,13 @@ def small_data(tmp_path_factory):
     return Dataset.load(folder)
 
 
+def assert_served(frames: torch.Tensor, expected: np.ndarray) -> None:
+    """Frames the engine served equal the reference generator's up to float rounding (the
+    engine's contract, as tests/test_engine.py checks it): at most 2 levels of 255 apart."""
+    assert frames.shape == expected.shape and frames.dtype == torch.uint8
+    assert (frames.int() - torch.from_numpy(expected).int()).abs().max() <= 2
+
+
 def _trainer(small_data, tmp_path, name, **overrides):
     from streamworld.pusht.train import TrainConfig, Trainer
 
@@ -146,7 +153,8 @@ def _trainer(small_data, tmp_path, name, **overrides):
 
 
 def test_rollout_context_is_the_served_prediction_aligned_with_the_true_clip(small_data, tmp_path):
-    """Each rollout is what the reference generator predicts for its episode and seed; a
+    """Each rollout is what the reference generator predicts for its episode and seed (the
+    engine serves it, batched with the others: equal up to float rounding); a
     sample's context copy is that rollout at exactly the steps of its true clip, and only its
     last chunk (whose window is full) is trained."""
     from streamworld.engine import GenerationRequest, ReferenceGenerator
@@ -164,7 +172,7 @@ def test_rollout_context_is_the_served_prediction_aligned_with_the_true_clip(sma
             kv_mode="final",
         )
         expected = ReferenceGenerator(trainer.model).generate(request).frames
-        assert torch.equal(rollouts.frames[r], torch.from_numpy(expected))
+        assert_served(rollouts.frames[r], expected)
     batch = rollouts.sample(16)
     n, chunk = b.clip, b.chunk
     to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # noqa: E731
@@ -291,7 +299,7 @@ def test_stream_clip_rollouts_are_served_streams_from_the_clips_sink_and_train_e
             kv_mode="final",
         )
         expected = ReferenceGenerator(trainer.model).generate(request).frames
-        assert torch.equal(rollouts.frames[r], torch.from_numpy(expected))
+        assert_served(rollouts.frames[r], expected)
     batch = rollouts.sample(8)
     to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1)  # noqa: E731
     for clip, own, actions in zip(

@@ -17,6 +17,7 @@ PushT: import from `streamworld.engine`, not from its modules.
     cpu_threads PyTorch's CPU thread count, adapted to other processes' load
     handle      what a caller holds for one stream
     engine      the public API and the busy loop
+    offline     generate_all: many finite streams at once, batched, frames back at the end
     reference   the sequential reference generator (the ground truth)
 """
 
@@ -26,6 +27,7 @@ from .engine import AsyncEngine
 from .executor import on_torch_thread
 from .handle import StreamHandle
 from .kv_modes import context_frame_indices
+from .offline import generate_all, generate_all_sync, offline_config
 from .placement import (
     Placement,
     PlacementError,
@@ -74,6 +76,9 @@ __all__ = [
     "Unsupported",
     "check_devices",
     "context_frame_indices",
+    "generate_all",
+    "generate_all_sync",
+    "offline_config",
     "on_torch_thread",
     "parse_placement",
     "single_device",

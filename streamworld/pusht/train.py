@@ -236,9 +236,10 @@ class ClipBatcher:
 class RolloutContext:
     """The model's own predictions of recorded episodes, as context for training samples.
 
-    `refresh` rolls `episodes` random episodes out with their recorded actions through the
-    sequential reference generator (what the engine serves) in `final` mode, with the
-    weights as they are. With default clips each rollout starts from the episode's first
+    `refresh` rolls `episodes` random episodes out with their recorded actions through an
+    in-process engine, all at once and batched (`engine.generate_all`: what a server
+    serves, equal to the sequential reference generator up to float rounding), in `final`
+    mode, with the weights as they are. With default clips each rollout starts from the episode's first
     frame and runs `frames` frames, and `sample` draws clips that end with a chunk whose
     window is full, inside a rollout: the rollout's frames at the same steps as the context
     copy. Only that last chunk is trained: the others have no drifted context before them.
@@ -302,7 +303,7 @@ class RolloutContext:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        from ..engine import GenerationRequest, ReferenceGenerator
+        from ..engine import StreamRequest, generate_all_sync
 
         b, dev = self.batcher, self.batcher.device
         r = self.num_episodes
@@ -312,19 +313,19 @@ class RolloutContext:
         else:
             starts = torch.ones(r, dtype=torch.long, device=dev)
         seeds = torch.randint(0, 2**31 - 1, (r,), generator=self.gen, device=dev)
-        generator = ReferenceGenerator(self.model)
-        frames = []
-        for e, start, seed in zip(episodes.tolist(), starts.tolist(), seeds.tolist(), strict=True):
-            request = GenerationRequest(
+        requests = [
+            StreamRequest(
                 seed=seed,
                 num_chunks=self.num_frames // b.chunk,
                 image=b.frames[e, start - 1].cpu().numpy(),
                 actions=b.actions[e, start - 1 : start - 1 + self.num_frames].cpu().numpy(),
                 kv_mode="final",
             )
-            frames.append(torch.from_numpy(generator.generate(request).frames))
+            for e, start, seed in zip(episodes.tolist(), starts.tolist(), seeds.tolist(), strict=True)
+        ]
+        frames = generate_all_sync(self.model, requests)  # all rollouts batched, as served
         self.episodes, self.starts, self.seeds = episodes, starts, seeds
-        self.frames = torch.stack(frames).to(dev)
+        self.frames = torch.from_numpy(np.stack(frames)).to(dev)
         chunks = self.num_frames // b.chunk
         self.valid = torch.zeros(len(episodes), chunks, dtype=torch.bool, device=dev)
         # A stream clip's first chunk has the true sink alone as context: trained on the truth.
@@ -559,7 +560,7 @@ class Trainer:
         model = WorldModel.load(model_config, random_weights=True, device=self.device, dtype=torch.float32)
         if init is not None:
             _load_init(model, init)
-        self.model = model  # the reference generator makes rollouts with it (`RolloutContext`)
+        self.model = model  # rollouts are served with it (`RolloutContext`)
         self.dit = model.dit.requires_grad_(True).train()
         self.steps_sigma = torch.tensor([t / 1000.0 for t in model.schedule.timesteps], device=self.device)
         self.ema = {k: v.detach().clone() for k, v in self.dit.state_dict().items()}

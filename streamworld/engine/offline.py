@@ -1,0 +1,60 @@
+"""Offline generation: many finite streams at once through an in-process engine.
+
+The counterpart of the server for code that wants whole videos rather than live streams
+(as vLLM's `LLM.generate` is to its async engine): `generate_all` opens every request as a
+stream of one engine, whose scheduler batches them as it batches live streams, and returns
+each stream's frames once all are done. A stream's frames are the reference generator's
+for the same request, up to float rounding (the engine's contract, tests/test_engine.py);
+run one at a time through `ReferenceGenerator`, the same requests cost a DiT call each per
+stream and step instead of one per batch.
+
+    frames = generate_all_sync(model, [StreamRequest(seed=s, num_chunks=4, ...) for s in seeds])
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from ..models.world_model import WorldModel
+from .config import EngineConfig, SchedulerConfig
+from .engine import AsyncEngine
+from .handle import StreamHandle
+from .request import StreamRequest
+
+
+def offline_config(streams: int) -> EngineConfig:
+    """An engine that holds `streams` streams at once and batches all their units: no
+    deadline applies (a caller waits for every stream) and no chunk is held back."""
+    return EngineConfig(
+        ttff_budget_s=1e3,
+        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, streams)),
+        max_streams=max(1, streams),
+    )
+
+
+async def generate_all(
+    model: WorldModel, requests: list[StreamRequest], config: EngineConfig | None = None
+) -> list[np.ndarray]:
+    """The frames [T, H, W, 3] uint8 of each request (each with `num_chunks` set), in
+    order. Raises ValueError for a request without an end, and the stream's error if one
+    fails (the others are cancelled)."""
+    if any(r.num_chunks is None for r in requests):
+        raise ValueError("offline generation needs num_chunks on every request")
+    if not requests:
+        return []
+    async with AsyncEngine(model, config or offline_config(len(requests))) as engine:
+        handles = [engine.open_stream(r) for r in requests]
+        return list(await asyncio.gather(*(_frames(h) for h in handles)))
+
+
+def generate_all_sync(
+    model: WorldModel, requests: list[StreamRequest], config: EngineConfig | None = None
+) -> list[np.ndarray]:
+    """`generate_all` for code without an event loop of its own (a training loop)."""
+    return asyncio.run(generate_all(model, requests, config))
+
+
+async def _frames(handle: StreamHandle) -> np.ndarray:
+    return np.concatenate([chunk.frames async for chunk in handle])

@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -28,7 +29,13 @@ import torch
 # Run as a script, Python puts benchmarks/ on sys.path, not the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from streamworld.engine import GenerationRequest, ReferenceGenerator, StreamRequest, generate_all_sync
+from streamworld.engine import (
+    GenerationRequest,
+    ReferenceGenerator,
+    StreamRequest,
+    generate_all_sync,
+    on_torch_thread,
+)
 from streamworld.models import get_preset
 from streamworld.models.world_model import WorldModel, resolve_device
 from streamworld.pusht.world import initial_frame
@@ -58,6 +65,16 @@ def sequential(model: WorldModel, reqs: list[StreamRequest]) -> list[np.ndarray]
     ]
 
 
+def commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
 def timed(fn, *args) -> tuple[float, list[np.ndarray]]:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -84,12 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     if config.environment != "pusht":
         p.error(f"--model: {args.model} is not a PushT model")
     device = resolve_device(args.device)
-    model = WorldModel.load(config, device=device)
+    # On a CPU all PyTorch work runs on the engine's one thread (engine/executor.py): a
+    # second thread running operators would give the process a second OpenMP team and slow
+    # both sides.
+    model = on_torch_thread(device, lambda: WorldModel.load(config, device=device))
     reqs = requests(config, args.streams, args.chunks, args.kv_mode)
-    generate_all_sync(model, reqs[:2])  # warm-up: kernels, allocator
+    on_torch_thread(device, lambda: sequential(model, reqs[:2]))  # warm-up: kernels, allocator
+    generate_all_sync(model, reqs[:2])
     rows = []
     for _ in range(args.repeats):
-        t_seq, seq = timed(sequential, model, reqs)
+        t_seq, seq = timed(lambda: on_torch_thread(device, lambda: sequential(model, reqs)))
         t_all, batched = timed(generate_all_sync, model, reqs)
         diff = max(
             int(np.abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(seq, batched, strict=True)
@@ -106,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "command": "python benchmarks/offline_generation.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": commit(),
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -120,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "sequential_s_median": seq_s,
         "generate_all_s_median": all_s,
         "speedup": round(seq_s / all_s, 2),
+        "speedup_per_pair": [round(r["sequential_s"] / r["generate_all_s"], 2) for r in rows],
         "frames_per_s": {"sequential": round(frames / seq_s, 1), "generate_all": round(frames / all_s, 1)},
     }
     print(

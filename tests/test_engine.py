@@ -166,6 +166,29 @@ def test_offline_generation_serves_every_request_as_the_reference_does(tiny_mode
     assert generate_all_sync(tiny_model, []) == []
     with pytest.raises(ValueError, match="num_chunks"):
         generate_all_sync(tiny_model, [StreamRequest(seed=0)])
+    with pytest.raises(ValueError, match="not paced"):
+        generate_all_sync(tiny_model, [StreamRequest(seed=0, num_chunks=1, priority="interactive")])
+
+
+def test_offline_generation_raises_a_failed_stream_and_queues_past_the_pool(tiny_model):
+    """A stream that fails raises its error instead of coming back short; more streams
+    than the K/V pool holds wait their turn instead of being refused."""
+    from dataclasses import replace
+
+    from streamworld.engine import StreamError, generate_all_sync, offline_config
+
+    def fail(unit):
+        raise RuntimeError("injected")
+
+    requests = [StreamRequest(seed=s, num_chunks=1) for s in range(3)]
+    with pytest.raises(StreamError):
+        generate_all_sync(tiny_model, requests, replace(offline_config(3), fault_hook=fail))
+    many = [StreamRequest(seed=s, num_chunks=1, kv_mode="noisy") for s in range(20)]
+    narrow = replace(offline_config(20), max_streams=1)  # a pool with room for one noisy stream
+    frames = generate_all_sync(tiny_model, many, narrow)
+    for seed in (0, 19):
+        expected = reference(tiny_model, seed, 1, "", "noisy").frames
+        assert np.abs(frames[seed].astype(int) - expected.astype(int)).max() <= 2
 
 
 async def test_noisy_mode_runs_chunk_c_step_k_before_chunk_c_minus_1_finishes(tiny_model):

@@ -136,18 +136,18 @@ def test_train_cli_stops_on_sigterm_with_a_checkpoint_and_the_weights(tmp_path, 
         return out
 
     monkeypatch.setattr(Trainer, "train_step", train_step)
-    before = signal.getsignal(signal.SIGTERM)
+    before, before_int = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     work = tmp_path / "w"
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "4"]) == 0
     summary = json.loads((work / "train_summary.json").read_text())
     assert summary["step"] == 2 and summary["stopped_by"] == "SIGTERM"
     assert (work / "pusht.safetensors").is_file() and (work / "checkpoint.pt").is_file()
     assert "stopped at step 2 of 4 (SIGTERM)" in capsys.readouterr().out
-    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is before_int
     monkeypatch.setattr(Trainer, "train_step", step)
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "4"]) == 0
     resumed = json.loads((work / "train_summary.json").read_text())
-    assert resumed["step"] == 4 and resumed["steps_this_run"] == 2 and resumed["stopped_by"] is None
+    assert resumed["step"] == 4 and resumed["steps_this_run"] == 2 and resumed["stopped_by"] == "total_steps"
 
 
 def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, capsys):

@@ -145,6 +145,21 @@ def assert_served(frames: torch.Tensor, expected: np.ndarray) -> None:
     assert (frames.int() - torch.from_numpy(expected).int()).abs().max() <= 2
 
 
+def test_rollout_workers_leave_stop_signals_to_the_trainer():
+    """`timeout` and Ctrl-C signal the whole process group; the workers that simulate
+    rollout targets ignore SIGTERM and SIGINT, so a task in flight still returns and the
+    trainer can finish its step, save and export."""
+    import multiprocessing as mp
+    import signal
+
+    from streamworld.pusht.train import ignore_stop_signals
+
+    with mp.get_context("spawn").Pool(1, initializer=ignore_stop_signals) as pool:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            assert pool.apply_async(signal.raise_signal, (sig,)).get(timeout=60) is None
+            assert pool.apply_async(abs, (-3,)).get(timeout=60) == 3
+
+
 def _trainer(small_data, tmp_path, name, **overrides):
     from streamworld.pusht.train import TrainConfig, Trainer
 

@@ -299,14 +299,14 @@ def run(args: argparse.Namespace) -> int:
         trainer = Trainer(config, train_config, data, workdir, device=device, init=args.init)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
-    with _stop_on_signals(trainer):
+    with _stop_on_signals(trainer):  # through the export: a signal then changes nothing
         summary = trainer.run(args.minutes)
-    out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
-    summary["weights"] = str(out)
-    summary["weights_bytes"] = out.stat().st_size
-    (workdir / "train_summary.json").write_text(
-        json.dumps({**summary, "history": trainer.history}, indent=2) + "\n"
-    )
+        out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
+        summary["weights"] = str(out)
+        summary["weights_bytes"] = out.stat().st_size
+        (workdir / "train_summary.json").write_text(
+            json.dumps({**summary, "history": trainer.history}, indent=2) + "\n"
+        )
     print(json.dumps(summary, indent=2))
     if trainer.step < train_config.total_steps:
         print(
@@ -342,5 +342,5 @@ def _stop_on_signals(trainer) -> Iterator[None]:
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, handler in previous.items():  # None: a handler not set from Python
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)

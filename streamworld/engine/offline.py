@@ -21,7 +21,7 @@ from ..models.world_model import WorldModel
 from .config import EngineConfig, SchedulerConfig
 from .engine import AsyncEngine
 from .handle import StreamHandle
-from .request import StreamRequest
+from .request import StreamError, StreamRequest
 
 
 def offline_config(streams: int) -> EngineConfig:
@@ -31,6 +31,7 @@ def offline_config(streams: int) -> EngineConfig:
         ttff_budget_s=1e3,
         scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, streams)),
         max_streams=max(1, streams),
+        max_queue=max(16, streams),  # where memory caps the K/V pool, the rest wait their turn
     )
 
 
@@ -38,10 +39,13 @@ async def generate_all(
     model: WorldModel, requests: list[StreamRequest], config: EngineConfig | None = None
 ) -> list[np.ndarray]:
     """The frames [T, H, W, 3] uint8 of each request (each with `num_chunks` set), in
-    order. Raises ValueError for a request without an end, and the stream's error if one
-    fails (the others are cancelled)."""
+    order. Raises ValueError for a request without an end or paced as `interactive` (its
+    chunks would wait for a playback clock), and StreamError if a stream fails or ends
+    early; the engine's close then cancels the others."""
     if any(r.num_chunks is None for r in requests):
         raise ValueError("offline generation needs num_chunks on every request")
+    if any(r.priority == "interactive" for r in requests):
+        raise ValueError("offline streams are not paced: give them the standard or batch priority")
     if not requests:
         return []
     async with AsyncEngine(model, config or offline_config(len(requests))) as engine:
@@ -52,9 +56,13 @@ async def generate_all(
 def generate_all_sync(
     model: WorldModel, requests: list[StreamRequest], config: EngineConfig | None = None
 ) -> list[np.ndarray]:
-    """`generate_all` for code without an event loop of its own (a training loop)."""
+    """`generate_all` for code without an event loop of its own (a training loop); from
+    inside a running loop, await `generate_all` instead."""
     return asyncio.run(generate_all(model, requests, config))
 
 
 async def _frames(handle: StreamHandle) -> np.ndarray:
-    return np.concatenate([chunk.frames async for chunk in handle])
+    chunks = [chunk.frames async for chunk in handle]  # a failed stream raises StreamError
+    if handle.status != "completed" or not chunks:
+        raise StreamError(f"stream {handle.id} ended {handle.status} before its last chunk")
+    return np.concatenate(chunks)

@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
+import signal
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -233,6 +234,15 @@ class ClipBatcher:
         return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
 
 
+def ignore_stop_signals() -> None:
+    """In a worker process: leave SIGTERM and Ctrl-C to the trainer. `timeout` and a
+    terminal signal the whole process group; a worker killed mid-task would leave the
+    trainer's `pool.map` waiting for ever, where the trainer means to finish its step, save
+    and export (`cli/train.py`)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class RolloutContext:
     """The model's own predictions of recorded episodes, as context for training samples.
 
@@ -323,7 +333,10 @@ class RolloutContext:
             )
             for e, start, seed in zip(episodes.tolist(), starts.tolist(), seeds.tolist(), strict=True)
         ]
-        frames = generate_all_sync(self.model, requests)  # all rollouts batched, as served
+        # All rollouts at once, batched, as a server serves them. On a CPU the engine works on
+        # a thread of its own (engine/executor.py), a second OpenMP team beside training's
+        # (slower there); training runs on GPUs, where that does not arise.
+        frames = generate_all_sync(self.model, requests)
         self.episodes, self.starts, self.seeds = episodes, starts, seeds
         self.frames = torch.from_numpy(np.stack(frames)).to(dev)
         chunks = self.num_frames // b.chunk
@@ -353,7 +366,7 @@ class RolloutContext:
             for r, c in pairs
         ]
         if self.workers > 1 and self._pool is None:
-            self._pool = mp.get_context("spawn").Pool(self.workers)
+            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=ignore_stop_signals)
         pool = self._pool
         results = pool.map(continue_frames, jobs, chunksize=4) if pool else map(continue_frames, jobs)
         simulated = np.zeros((*self.valid.shape, k, *own.shape[2:]), np.uint8)
@@ -667,7 +680,9 @@ class Trainer:
             "step": str(self.step),
             "train_config": json.dumps(asdict(self.cfg)),
         }
-        safetensors.torch.save_file(out, str(path), metadata=meta)
+        tmp = path.with_name(path.name + ".tmp")  # a run stopped mid-write leaves no half file
+        safetensors.torch.save_file(out, str(tmp), metadata=meta)
+        tmp.replace(path)
         return path
 
     # --- one step ---------------------------------------------------------------------
@@ -833,11 +848,17 @@ class Trainer:
             "total_steps": self.cfg.total_steps,
             "seconds": round(elapsed, 1),
             "steps_per_second": round((self.step - first) / max(elapsed, 1e-9), 2),
-            "stopped_by": self.stop_requested,
+            "stopped_by": self._stopped_by(),
             "rollout_refreshes": self.rollouts.refreshes if self.rollouts is not None else 0,
             **self._rollout_summary(),
             "last": self.history[-1] if self.history else None,
         }
+
+    def _stopped_by(self) -> str:
+        """Why `run` ended: "total_steps", a signal's name, or "minutes"."""
+        if self.step >= self.cfg.total_steps:
+            return "total_steps"
+        return self.stop_requested or "minutes"
 
     def _rollout_summary(self) -> dict:
         r = self.rollouts

@@ -229,14 +229,15 @@ def colored_noise(rng: np.random.Generator, shape: tuple[int, ...], beta: float)
     return x / (np.sqrt(variance.sum()) / n)
 
 
-def planning_engine_config(branches: int, cuda_graphs: bool = False) -> EngineConfig:
-    """An in-process engine for `EngineRollouts` with forks of up to `branches`: the
-    observed stream and every branch live at once, a whole fork is one batch, and no
-    deadline applies (a plan waits for its forks)."""
+def planning_engine_config(branches: int, cuda_graphs: bool = False, planners: int = 1) -> EngineConfig:
+    """An in-process engine for `EngineRollouts` with forks of up to `branches`, for
+    `planners` planners at once: every observed stream and branch live at once, the forks
+    of all planners in flight are one batch, and no deadline applies (a plan waits for its
+    forks)."""
     return EngineConfig(
         ttff_budget_s=1e3,
-        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, branches)),
-        max_streams=branches + 1,
+        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, planners * branches)),
+        max_streams=planners * (branches + 1),
         max_fork_branches=branches,
         cuda_graphs=cuda_graphs,
     )

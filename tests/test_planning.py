@@ -389,6 +389,59 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert "max_speed" in capsys.readouterr().err
 
 
+def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path, capsys):
+    """`--concurrent 3` plans three episodes at once. In the true environment (no batched
+    float rounding) every episode ends exactly as when they run one at a time, and the
+    JSON lists them in the order of the seeds, whichever finished first."""
+    import json
+
+    from streamworld.cli import main
+
+    base = ["eval", "pusht", "--plan", "--simulator", "--seeds", "0-3", "--samples", "8", "--elites", "2"]
+    base += ["--iterations", "2", "--plan-horizon", "8", "--budget", "16", "--goal-steps", "2"]
+    reports = []
+    for n in ("1", "3"):
+        out = tmp_path / f"plan{n}.json"
+        assert main([*base, "--concurrent", n, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    one, three = reports
+    assert three["concurrent"] == 3 and three["complete"]
+    assert [e["seed"] for e in three["episodes"]] == [0, 1, 2, 3]
+    keys = ("seed", "success", "steps", "plans", "branches", "final_position_error")
+    assert [[e[k] for k in keys] for e in three["episodes"]] == [[e[k] for k in keys] for e in one["episodes"]]
+    assert any(e["success"] for e in one["episodes"]) and any(e["plans"] > 1 for e in one["episodes"])
+    assert "3 episodes at once:" in capsys.readouterr().out
+    assert main([*base, "--concurrent", "0"]) == 2
+    assert "--concurrent must be 1 to" in capsys.readouterr().err
+
+
+def test_eval_plan_concurrent_sizes_one_engine_for_every_episode_in_flight(tmp_path, monkeypatch):
+    """Through the model, `--concurrent 2` gives the engine room for both episodes' forks
+    (streams and batch), and both episodes complete."""
+    import json
+
+    import streamworld.planning as planning
+    from streamworld.cli import main
+
+    sized = []
+    original = planning.planning_engine_config
+
+    def recording(branches, cuda_graphs=False, planners=1):
+        config = original(branches, cuda_graphs, planners)
+        sized.append((branches, planners, config.max_streams, config.scheduler.max_batch_units))
+        return config
+
+    monkeypatch.setattr(planning, "planning_engine_config", recording)
+    out = tmp_path / "plan.json"
+    args = ["--seeds", "0-1", "--samples", "12", "--elites", "1", "--iterations", "1", "--concurrent", "2"]
+    args += ["--plan-horizon", "4", "--knot-frames", "4", "--budget", "4", "--json", str(out)]
+    assert main(["eval", "pusht", "--plan", *args]) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] and [e["seed"] for e in report["episodes"]] == [0, 1]
+    assert sized == [(12, 2, 26, 24)]
+    assert report["summary"]["branches_per_wall_second"] > 0
+
+
 def test_eval_plan_with_an_ensemble_rolls_out_every_member_and_records_them(tmp_path, monkeypatch):
     """`--ensemble pusht-delta`: one more engine; every candidate is rolled out by both models,
     each with its own noise seed, and the report names the members."""

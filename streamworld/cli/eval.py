@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -14,6 +15,8 @@ from . import arguments, loading
 from .errors import UsageError
 
 # The models of the PushT environment, which the evaluation and the planner drive.
+# Episodes planned at once (`--plan --concurrent`): each holds a fork's K/V in the engine.
+MAX_CONCURRENT = 64
 PUSHT_MODELS = tuple(c.id for c in PRESETS.values() if c.environment == "pusht")
 
 
@@ -86,6 +89,16 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--plan-horizon", type=int, default=24, help="steps each plan covers (default 24)")
     plan.add_argument("--execute", type=int, help="steps run before replanning (default: the horizon)")
     plan.add_argument("--knot-frames", type=int, default=4, help="steps a planned target holds (default 4)")
+    plan.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        metavar="N",
+        help="episodes planned at once (default 1): their forks share the engine and run as one "
+        "batch, more branches per DiT call; the JSON then reports branches per wall second too. "
+        "Batched frames may differ from one-at-a-time ones by float rounding, so an episode's "
+        "outcome can differ",
+    )
     arguments.add_search_arguments(plan)
     plan.add_argument(
         "--cuda-graphs",
@@ -201,8 +214,6 @@ def _write(args: argparse.Namespace, report: dict) -> None:
 
 def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
     """`eval pusht --plan`: the planning evaluation (docs/planning.md)."""
-    import asyncio
-
     from ..planning import CEMConfig
 
     config = CEMConfig(
@@ -219,6 +230,11 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
     arguments.check_output_folder("--json", args.json)
     report = asyncio.run(_plan_episodes(seeds, config, args))
     _print_plan_summary(report["summary"])
+    if args.concurrent > 1:
+        print(
+            f"{args.concurrent} episodes at once: "
+            f"{report['summary']['branches_per_wall_second']:.1f} branches per wall second"
+        )
     _write(args, report)
     return 0
 
@@ -231,6 +247,8 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
         raise UsageError(str(e)) from None
     if args.goal_steps < 1 or args.budget < 1 or (args.execute is not None and args.execute < 1):
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
+    if not 1 <= args.concurrent <= MAX_CONCURRENT:
+        raise UsageError(f"--concurrent must be 1 to {MAX_CONCURRENT}, got {args.concurrent}")
     if not args.replan_error >= 0:  # also refuses nan
         raise UsageError(f"--replan-error must be at least 0 (0: off), got {args.replan_error}")
     if not args.shape_weight >= 0:
@@ -290,7 +308,7 @@ async def _rollouts(args: argparse.Namespace, config):
         return
     model = _load(args)
     members = [(m, dit, _load(args, m, dit, "--ensemble")) for m, dit in _ensemble_members(args)]
-    engine_config = planning_engine_config(config.samples, args.cuda_graphs)
+    engine_config = planning_engine_config(config.samples, args.cuda_graphs, args.concurrent)
     async with contextlib.AsyncExitStack() as stack:
         engine = await stack.enter_async_context(AsyncEngine(model, engine_config))
         others = [await stack.enter_async_context(AsyncEngine(m, engine_config)) for *_, m in members]
@@ -343,9 +361,10 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "proposals": args.proposals,
             "replan_error": args.replan_error,
             "shape_weight": args.shape_weight,
+            "concurrent": args.concurrent,
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
-            "episodes": [r.to_json() for r in results],
+            "episodes": [r.to_json() for r in sorted(results, key=lambda r: seeds.index(r.seed))],
         }
 
     cost_device = None
@@ -353,10 +372,21 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
         # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
         # them one by one, which is faster there (pusht/batch_locate.py).
         cost_device = planner["device"] if planner["device"].startswith("cuda") else None
-        bar = tqdm(seeds, desc=f"planning {args.model}", unit="episode")
-        for seed in bar:
+        bar = tqdm(total=len(seeds), desc=f"planning {args.model}", unit="episode")
+        slots = asyncio.Semaphore(args.concurrent)
+
+        async def episode(seed: int) -> None:
+            async with slots:
+                result = await _episode(seed)
+            results.append(result)
+            bar.update()
+            bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
+            if args.json:  # the episodes so far survive an interrupted run
+                Path(args.json).write_text(json.dumps(report(planner, False), indent=2) + "\n")
+
+        async def _episode(seed: int):
             task = make_task(seed, size, args.goal_steps)
-            result = await run_episode(
+            return await run_episode(
                 lambda frame, world, seed=seed: rollouts_for(frame, world, seed),
                 task,
                 config,
@@ -370,8 +400,15 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
                 replan_error=args.replan_error,
                 shape_weight=args.shape_weight,
             )
-            results.append(result)
-            bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
-            if args.json:  # the episodes so far survive an interrupted run
-                Path(args.json).write_text(json.dumps(report(planner, False), indent=2) + "\n")
+
+        tasks = [asyncio.ensure_future(episode(seed)) for seed in seeds]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:  # one episode failed (or the run was interrupted): stop the rest
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            bar.close()
     return report(planner, True)

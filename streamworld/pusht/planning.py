@@ -371,5 +371,8 @@ def summary(results: list[EpisodeResult], seconds: float) -> dict:
         "plan_seconds_mean": float(np.mean(plans)) if plans else math.nan,
         "plan_seconds_p90": float(np.percentile(plans, 90)) if plans else math.nan,
         "branches_per_second": branches / sum(plans) if plans else math.nan,
+        # Over the whole run, environment steps included; above `branches_per_second` when
+        # several episodes plan at once (`eval pusht --plan --concurrent`).
+        "branches_per_wall_second": branches / seconds if seconds > 0 else math.nan,
         "wall_seconds": seconds,
     }

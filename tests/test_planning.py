@@ -389,7 +389,7 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert "max_speed" in capsys.readouterr().err
 
 
-def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path, capsys):
+def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path, capsys, monkeypatch):
     """`--concurrent 3` plans three episodes at once. In the true environment (no batched
     float rounding) every episode ends exactly as when they run one at a time, and the
     JSON lists them in the order of the seeds, whichever finished first."""
@@ -399,11 +399,27 @@ def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path
 
     base = ["eval", "pusht", "--plan", "--simulator", "--seeds", "0-3", "--samples", "8", "--elites", "2"]
     base += ["--iterations", "2", "--plan-horizon", "8", "--budget", "16", "--goal-steps", "2"]
-    reports = []
+    import streamworld.pusht.planning as pusht_planning
+
+    episode, flight = pusht_planning.run_episode, {"now": 0, "most": 0}
+
+    async def counted(*args, **kwargs):
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        try:
+            return await episode(*args, **kwargs)
+        finally:
+            flight["now"] -= 1
+
+    monkeypatch.setattr(pusht_planning, "run_episode", counted)
+    reports, most = [], []
     for n in ("1", "3"):
         out = tmp_path / f"plan{n}.json"
         assert main([*base, "--concurrent", n, "--json", str(out)]) == 0
         reports.append(json.loads(out.read_text()))
+        most.append(flight["most"])
+        flight["most"] = 0
+    assert most == [1, 3]  # one at a time, then three in flight together
     one, three = reports
     assert three["concurrent"] == 3 and three["complete"]
     assert [e["seed"] for e in three["episodes"]] == [0, 1, 2, 3]
@@ -414,6 +430,8 @@ def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path
     assert "3 episodes at once:" in capsys.readouterr().out
     assert main([*base, "--concurrent", "0"]) == 2
     assert "--concurrent must be 1 to" in capsys.readouterr().err
+    assert main([*base, "--concurrent", "20", "--samples", "16"]) == 2
+    assert "340 planning streams" in capsys.readouterr().err
 
 
 def test_eval_plan_concurrent_sizes_one_engine_for_every_episode_in_flight(tmp_path, monkeypatch):

@@ -15,8 +15,11 @@ from . import arguments, loading
 from .errors import UsageError
 
 # The models of the PushT environment, which the evaluation and the planner drive.
-# Episodes planned at once (`--plan --concurrent`): each holds a fork's K/V in the engine.
+# Episodes planned at once (`--plan --concurrent`), and the planning streams they may hold
+# together, N x (samples + 1): the engine reserves K/V pages for each (for the PushT models
+# up to 29 MiB a stream, float32), so 272 streams stay under 8 GiB.
 MAX_CONCURRENT = 64
+MAX_CONCURRENT_STREAMS = 272
 PUSHT_MODELS = tuple(c.id for c in PRESETS.values() if c.environment == "pusht")
 
 
@@ -95,7 +98,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="episodes planned at once (default 1): their forks share the engine and run as one "
-        "batch, more branches per DiT call; the JSON then reports branches per wall second too. "
+        "batch, more branches per DiT call (at most 64, and 272 planning streams: N x (samples + 1)). "
         "Batched frames may differ from one-at-a-time ones by float rounding, so an episode's "
         "outcome can differ",
     )
@@ -249,6 +252,12 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if not 1 <= args.concurrent <= MAX_CONCURRENT:
         raise UsageError(f"--concurrent must be 1 to {MAX_CONCURRENT}, got {args.concurrent}")
+    streams = args.concurrent * (args.samples + 1)
+    if args.concurrent > 1 and streams > MAX_CONCURRENT_STREAMS:
+        raise UsageError(
+            f"--concurrent {args.concurrent} with --samples {args.samples} holds {streams} planning "
+            f"streams at once (N x (samples + 1)); at most {MAX_CONCURRENT_STREAMS}, each with its K/V pages"
+        )
     if not args.replan_error >= 0:  # also refuses nan
         raise UsageError(f"--replan-error must be at least 0 (0: off), got {args.replan_error}")
     if not args.shape_weight >= 0:
@@ -346,6 +355,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
     from ..pusht.planning import make_task, run_episode, summary
 
     results = []
+    order = {seed: i for i, seed in enumerate(seeds)}
     started = time.perf_counter()
 
     def report(planner: dict, complete: bool) -> dict:
@@ -364,7 +374,7 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
             "concurrent": args.concurrent,
             "cem": vars(config),
             "summary": summary(results, time.perf_counter() - started),
-            "episodes": [r.to_json() for r in sorted(results, key=lambda r: seeds.index(r.seed))],
+            "episodes": [r.to_json() for r in sorted(results, key=lambda r: order[r.seed])],
         }
 
     cost_device = None

@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing as mp
-import signal
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -234,13 +234,13 @@ class ClipBatcher:
         return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
 
 
-def ignore_stop_signals() -> None:
-    """In a worker process: leave SIGTERM and Ctrl-C to the trainer. `timeout` and a
-    terminal signal the whole process group; a worker killed mid-task would leave the
-    trainer's `pool.map` waiting for ever, where the trainer means to finish its step, save
-    and export (`cli/train.py`)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def own_process_group() -> None:
+    """In a worker process: leave the trainer's process group. `timeout` and a terminal
+    signal the whole group; a worker killed mid-task would leave the trainer's `pool.map`
+    waiting for ever, where the trainer means to finish its step, save and export
+    (`cli/train.py`). The pool still ends its workers itself (SIGTERM to each), and a
+    worker whose trainer dies ends when its task pipe closes."""
+    os.setpgrp()
 
 
 class RolloutContext:
@@ -367,7 +367,7 @@ class RolloutContext:
             for r, c in pairs
         ]
         if self.workers > 1 and self._pool is None:
-            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=ignore_stop_signals)
+            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=own_process_group)
         pool = self._pool
         results = pool.map(continue_frames, jobs, chunksize=4) if pool else map(continue_frames, jobs)
         simulated = np.zeros((*self.valid.shape, k, *own.shape[2:]), np.uint8)

@@ -350,75 +350,99 @@ async def _rollouts(args: argparse.Namespace, config):
 
 
 async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> dict:
+    """Every seed's episode, `--concurrent` of them at a time, and the report (rewritten to
+    --json as each episode ends, so the episodes so far survive an interrupted run)."""
     from tqdm import tqdm
 
-    from ..pusht.planning import make_task, run_episode, summary
-
     results = []
-    order = {seed: i for i, seed in enumerate(seeds)}
     started = time.perf_counter()
-
-    def report(planner: dict, complete: bool) -> dict:
-        return {
-            **planner,
-            "complete": complete,
-            "seeds": seeds,
-            "goal_steps": args.goal_steps,
-            "budget": args.budget,
-            "execute": args.execute or config.horizon,
-            "cost_frames": args.cost_frames,
-            "cost_device": cost_device or "host",
-            "proposals": args.proposals,
-            "replan_error": args.replan_error,
-            "shape_weight": args.shape_weight,
-            "concurrent": args.concurrent,
-            "cem": vars(config),
-            "summary": summary(results, time.perf_counter() - started),
-            "episodes": [r.to_json() for r in sorted(results, key=lambda r: order[r.seed])],
-        }
-
-    cost_device = None
     async with _rollouts(args, config) as (planner, size, rollouts_for):
         # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
         # them one by one, which is faster there (pusht/batch_locate.py).
         cost_device = planner["device"] if planner["device"].startswith("cuda") else None
+        planned = {**planner, "cost_device": cost_device or "host"}
+
+        def report(complete: bool) -> dict:
+            return _plan_report(args, config, seeds, planned, results, started, complete)
+
         bar = tqdm(total=len(seeds), desc=f"planning {args.model}", unit="episode")
         slots = asyncio.Semaphore(args.concurrent)
 
         async def episode(seed: int) -> None:
             async with slots:
-                result = await _episode(seed)
+                result = await _run_episode(args, config, seed, size, rollouts_for, cost_device)
             results.append(result)
             bar.update()
             bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
-            if args.json:  # the episodes so far survive an interrupted run
-                Path(args.json).write_text(json.dumps(report(planner, False), indent=2) + "\n")
+            if args.json:
+                Path(args.json).write_text(json.dumps(report(False), indent=2) + "\n")
 
-        async def _episode(seed: int):
-            task = make_task(seed, size, args.goal_steps)
-            return await run_episode(
-                lambda frame, world, seed=seed: rollouts_for(frame, world, seed),
-                task,
-                config,
-                size,
-                budget=args.budget,
-                execute=args.execute,
-                seed=seed,
-                cost_frames=args.cost_frames,
-                cost_device=cost_device,
-                proposals=args.proposals,
-                replan_error=args.replan_error,
-                shape_weight=args.shape_weight,
-            )
-
-        tasks = [asyncio.ensure_future(episode(seed)) for seed in seeds]
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:  # one episode failed (or the run was interrupted): stop the rest
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            await _all_or_none([episode(seed) for seed in seeds])
         finally:
             bar.close()
-    return report(planner, True)
+    return report(True)
+
+
+async def _run_episode(args: argparse.Namespace, config, seed: int, size: int, rollouts_for, cost_device):
+    """One model-predictive episode of `seed` with the command's search and cost."""
+    from ..pusht.planning import make_task, run_episode
+
+    return await run_episode(
+        lambda frame, world: rollouts_for(frame, world, seed),
+        make_task(seed, size, args.goal_steps),
+        config,
+        size,
+        budget=args.budget,
+        execute=args.execute,
+        seed=seed,
+        cost_frames=args.cost_frames,
+        cost_device=cost_device,
+        proposals=args.proposals,
+        replan_error=args.replan_error,
+        shape_weight=args.shape_weight,
+    )
+
+
+async def _all_or_none(coroutines: list) -> None:
+    """Runs the coroutines as tasks; if one fails (or the run is interrupted), cancels the
+    rest and waits for them before raising."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _plan_report(
+    args: argparse.Namespace,
+    config,
+    seeds: list[int],
+    planner: dict,
+    results: list,
+    started: float,
+    complete: bool,
+) -> dict:
+    """The --plan JSON: the planner, the search, the summary and the episodes in seed order."""
+    from ..pusht.planning import summary
+
+    order = {seed: i for i, seed in enumerate(seeds)}
+    return {
+        **planner,
+        "complete": complete,
+        "seeds": seeds,
+        "goal_steps": args.goal_steps,
+        "budget": args.budget,
+        "execute": args.execute or config.horizon,
+        "cost_frames": args.cost_frames,
+        "proposals": args.proposals,
+        "replan_error": args.replan_error,
+        "shape_weight": args.shape_weight,
+        "concurrent": args.concurrent,
+        "cem": vars(config),
+        "summary": summary(results, time.perf_counter() - started),
+        "episodes": [r.to_json() for r in sorted(results, key=lambda r: order[r.seed])],
+    }

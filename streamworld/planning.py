@@ -18,6 +18,7 @@ are in `streamworld.pusht.planning`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .engine import AsyncEngine, BranchRequest, EngineConfig, SchedulerConfig, StreamRequest
+from .engine import AsyncEngine, BranchRequest, EngineConfig, StreamRequest, offline_config
 
 
 @dataclass(frozen=True)
@@ -234,10 +235,8 @@ def planning_engine_config(branches: int, cuda_graphs: bool = False, planners: i
     `planners` planners at once: every observed stream and branch live at once, the forks
     of all planners in flight are one batch, and no deadline applies (a plan waits for its
     forks)."""
-    return EngineConfig(
-        ttff_budget_s=1e3,
-        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, planners * branches)),
-        max_streams=planners * (branches + 1),
+    return dataclasses.replace(
+        offline_config(planners * (branches + 1), batch_units=planners * branches),
         max_fork_branches=branches,
         cuda_graphs=cuda_graphs,
     )

@@ -24,12 +24,15 @@ from .handle import StreamHandle
 from .request import StreamError, StreamRequest
 
 
-def offline_config(streams: int) -> EngineConfig:
-    """An engine that holds `streams` streams at once and batches all their units: no
-    deadline applies (a caller waits for every stream) and no chunk is held back."""
+def offline_config(streams: int, batch_units: int | None = None) -> EngineConfig:
+    """An engine that holds `streams` streams at once and batches `batch_units` units (all
+    the streams' by default): no deadline applies (a caller waits for every stream) and no
+    chunk is held back. Planning's engine is one too (`planning.planning_engine_config`)."""
     return EngineConfig(
         ttff_budget_s=1e3,
-        scheduler=SchedulerConfig(lookahead_chunks=1e6, max_batch_units=max(16, streams)),
+        scheduler=SchedulerConfig(
+            lookahead_chunks=1e6, max_batch_units=max(16, streams if batch_units is None else batch_units)
+        ),
         max_streams=max(1, streams),
         max_queue=max(16, streams),  # where memory caps the K/V pool, the rest wait their turn
     )

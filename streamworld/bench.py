@@ -246,7 +246,7 @@ def _placement_figures(
     links = [(r, link) for r, e in enumerate(engines) for link in e.runner.links]  # as _Window.copies
     if any(link.crosses for _, link in links):
         out["stage_copies"] = _copy_figures(links, start, end, wall)
-    graphs = [g.stats.to_json() for e in engines for g in e.runner.graphs or []]
+    graphs = [g for e in engines if (g := e.runner.graph_stats()) is not None]
     if graphs:  # over the whole run, warm-up included: captures happen there
         out["cuda_graphs"] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
     if len(engines) > 1:

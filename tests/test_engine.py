@@ -170,6 +170,29 @@ def test_offline_generation_serves_every_request_as_the_reference_does(tiny_mode
         generate_all_sync(tiny_model, [StreamRequest(seed=0, num_chunks=1, priority="interactive")])
 
 
+def test_dit_batches_hold_units_of_one_context_length(tiny_model, monkeypatch):
+    """The noisy pipeline runs a stream's next chunk beside the current one. While the
+    window fills, the two attend to contexts of different lengths and must run as separate
+    batches (a batch of mixed contexts attends unit by unit and cannot replay a CUDA graph);
+    once it is full they batch together again."""
+    from streamworld.engine import generate_all_sync
+    from streamworld.models.causal_wan import CausalWanDiT
+
+    batches = []
+    plan_blocks = CausalWanDiT.plan_blocks
+
+    def spied(self, act, units):
+        batches.append([len(u.kv.read_pages) for u in units])
+        return plan_blocks(self, act, units)
+
+    monkeypatch.setattr(CausalWanDiT, "plan_blocks", spied)
+    requests = [StreamRequest(seed=s, num_chunks=5, kv_mode="noisy") for s in (1, 2)]
+    generate_all_sync(tiny_model, requests)
+    assert batches and all(len(set(b)) == 1 for b in batches), batches
+    window = 1 + tiny_model.config.window_frames  # the sink and the window
+    assert any(len(b) > 2 and b[0] == window for b in batches)  # chunks past the window batch together
+
+
 def test_offline_generation_raises_a_failed_stream_and_queues_past_the_pool(tiny_model):
     """A stream that fails raises its error instead of coming back short; more streams
     than the K/V pool holds wait their turn instead of being refused."""
@@ -640,3 +663,25 @@ def test_decode_results_go_to_the_host_in_their_own_order_whatever_their_shapes(
     assert len(hosted) == len(tensors)
     for t, h in zip(tensors, hosted, strict=True):
         assert h.dtype == t.dtype and h.device.type == "cpu" and torch.equal(h, t[0])
+
+
+def test_graph_stats_sum_the_stages_counters():
+    """`ModelRunner.graph_stats` (what `bench` and `eval --plan` report) adds up every
+    stage's CUDA-graph counters, and is None where the runner has no graphs."""
+    from types import SimpleNamespace
+
+    from streamworld.engine.graphs import GraphStats
+    from streamworld.engine.runner import ModelRunner
+
+    stages = [
+        SimpleNamespace(stats=GraphStats(captured=2, replays=10, eager=3)),
+        SimpleNamespace(stats=GraphStats(1, 5, 1, 1)),
+    ]
+    assert ModelRunner.graph_stats(SimpleNamespace(graphs=stages)) == {
+        "captured": 3,
+        "replays": 15,
+        "eager": 4,
+        "evicted": 1,
+        "failures": 0,
+    }
+    assert ModelRunner.graph_stats(SimpleNamespace(graphs=None)) is None

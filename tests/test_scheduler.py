@@ -8,7 +8,13 @@ import dataclasses
 import pytest
 
 from streamworld.engine.config import SchedulerConfig
-from streamworld.engine.kv_modes import COMMIT, chunk_phases, unit_index
+from streamworld.engine.kv_modes import (
+    COMMIT,
+    chunk_phases,
+    context_frame_count,
+    context_frame_indices,
+    unit_index,
+)
 from streamworld.engine.kv_pool import KVPagePool, PageTable
 from streamworld.engine.request import PRIORITY_CLASSES, StreamRequest
 from streamworld.engine.scheduler import ReadyUnit, Scheduler
@@ -44,7 +50,7 @@ def scheduler(**config) -> Scheduler:
 
 
 def ready(sid: int, *, priority=1, deadline=0.0, stage=0, frames=3, tokens=100, chunk=0) -> ReadyUnit:
-    return ReadyUnit(WorkUnit(sid, chunk, 0, stage), priority, deadline, tokens, (stage, frames))
+    return ReadyUnit(WorkUnit(sid, chunk, 0, stage), priority, deadline, tokens, (stage, frames, 0))
 
 
 def test_the_most_urgent_class_leads_the_batch_whatever_its_deadline():
@@ -73,6 +79,42 @@ def test_a_batch_holds_one_stage_and_shape_within_the_token_budget():
     assert sum(r.tokens for r in batch) <= 1000
     assert len(scheduler(max_batch_units=2).next_batch(units)) == 2
     assert scheduler().next_batch([]) == []
+
+
+def test_context_frame_count_is_the_length_of_the_context():
+    for sink, window in ((0, 4), (1, 5), (3, 15), (2, 0)):
+        for first in range(40):
+            assert context_frame_count(first, sink, window) == len(context_frame_indices(first, sink, window))
+
+
+def test_units_batch_only_with_units_of_the_same_context_length():
+    """The runner reads a batch's K/V in one gather (and a CUDA graph replays it) only when
+    every unit attends to as many frames; units whose contexts differ go in separate batches."""
+    sched = scheduler()
+    config = dataclasses.replace(TINY_WAN, sink_frames=1, window_frames=5)
+    streams = [make_stream(sid, config, kv_mode="final") for sid in (1, 2, 3)]
+    for stream, chunks in zip(streams, (1, 2, 1), strict=True):  # stream 2 is one chunk further on
+        for _ in range(chunks):
+            stream.start_chunk(chunk_phases("final", STEPS), T0)
+        for c in range(chunks - 1):  # finished and retired: its context is written
+            del stream.chunks[c]
+    ready_now = sched.ready_units(streams, 0)
+    contexts = {r.unit.stream: r.shape[2] for r in ready_now}
+    assert contexts == {1: 0, 2: 3, 3: 0}
+    batch = sched.next_batch(ready_now)
+    assert sorted(r.unit.stream for r in batch) == [1, 3]
+    assert [r.unit.stream for r in sched.next_batch([r for r in ready_now if r not in batch])] == [2]
+
+    # Past the window every chunk attends to the sink and the window: one context length.
+    far = [make_stream(sid, config, kv_mode="final") for sid in (4, 5)]
+    for stream, chunks in zip(far, (3, 5), strict=True):
+        for _ in range(chunks):
+            stream.start_chunk(chunk_phases("final", STEPS), T0)
+        for c in range(chunks - 1):
+            del stream.chunks[c]
+    ready_far = sched.ready_units(far, 0)
+    assert {r.shape[2] for r in ready_far} == {1 + 5}
+    assert len(sched.next_batch(ready_far)) == 2
 
 
 def test_lookahead_bounds_how_early_a_chunk_starts():

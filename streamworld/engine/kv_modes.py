@@ -96,6 +96,13 @@ def context_frame_indices(first_frame: int, sink_frames: int, window_frames: int
     return sinks + list(recent)
 
 
+def context_frame_count(first_frame: int, sink_frames: int, window_frames: int) -> int:
+    """`len(context_frame_indices(...))` without building the list: the scheduler batches
+    only units of one context length (scheduler.py)."""
+    sinks = min(sink_frames, first_frame)
+    return sinks + max(0, first_frame - max(sink_frames, first_frame - window_frames))
+
+
 def retained_frame_indices(next_first_frame: int, sink_frames: int, window_frames: int) -> set[int]:
     """Frames that must stay cached for the chunk starting at `next_first_frame` and later ones."""
     return set(context_frame_indices(next_first_frame, sink_frames, window_frames))

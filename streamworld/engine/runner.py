@@ -191,6 +191,13 @@ class ModelRunner:
         placed = zip(stages, self.stage_devices, strict=True)
         self.graphs = [StageGraphs(model.dit, s, d, cuda_graphs) for s, d in placed] if cuda_graphs else None
 
+    def graph_stats(self) -> dict | None:
+        """The CUDA graphs' counters summed over the stages (graphs.py); None without graphs."""
+        if not self.graphs:
+            return None
+        stats = [g.stats.to_json() for g in self.graphs]
+        return {k: sum(st[k] for st in stats) for k in stats[0]}
+
     def release(self) -> None:
         """Drops the K/V cache's tensors, the graphs and every stream's tensors (the engine
         is closed; the graphs' counters stay)."""

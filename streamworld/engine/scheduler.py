@@ -16,7 +16,14 @@ metadata (stream.py). It decides; it never computes, and it holds no tensors.
 - `ready_units`: the next unit of every chunk whose context is written (kv_modes.py).
 - `next_batch`: of one executor's ready units, the most urgent one (priority class first,
   `interactive` > `standard` > `batch`, then earliest deadline) plus other ready units of
-  the same stage and shape, most urgent first, within a token budget.
+  the same stage and shape, most urgent first, within a token budget. The shape includes
+  the number of context frames the unit attends to: the runner reads the K/V of a batch
+  of equal contexts in one gather and attends for all its units at once, and only such a
+  batch can replay a CUDA graph. A batch of mixed contexts runs attention unit by unit,
+  eagerly; on an H200 that made 8 planning episodes in one process slower than running
+  them one after another (docs/benchmarks.md, "Planning several episodes at once on an
+  H200"). Contexts differ only while a stream's window fills (its first chunks), so
+  long-running streams still batch together.
 - `next_decode_batch`: the most urgent chunk ready to decode, with others whose decoder
   states and shapes agree and whose class is the same (lower classes do not ride along
   and delay it).
@@ -28,7 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .config import SchedulerConfig
-from .kv_modes import PREFILL_CHUNK, chunk_phases, context_dependency, unit_index
+from .kv_modes import PREFILL_CHUNK, chunk_phases, context_dependency, context_frame_count, unit_index
 from .stream import ChunkState, Stream, WorkUnit
 
 
@@ -38,7 +45,7 @@ class ReadyUnit:
     priority: int  # class rank, 0 = interactive
     deadline: float
     tokens: int
-    shape: tuple  # units batch together only when this agrees (stage, chunk shape)
+    shape: tuple  # units batch together only when this agrees (stage, frames, context frames)
 
     def urgency(self) -> tuple:
         return (self.priority, self.deadline, self.unit.stream, self.unit.chunk, self.unit.phase)
@@ -166,11 +173,8 @@ class Scheduler:
                     continue
                 unit = WorkUnit(stream.id, chunk.index, phase, stage)
                 deadline = stream.deadline(max(chunk.index, 0))
-                ready.append(
-                    ReadyUnit(
-                        unit, stream.priority, deadline, chunk.num_frames * tokens, (stage, chunk.num_frames)
-                    )
-                )
+                shape = (stage, chunk.num_frames, context_frames(stream, chunk))
+                ready.append(ReadyUnit(unit, stream.priority, deadline, chunk.num_frames * tokens, shape))
         return ready
 
     def next_batch(self, ready: list[ReadyUnit]) -> list[ReadyUnit]:
@@ -210,6 +214,13 @@ class Scheduler:
             if (prio, stream.decoder_signature, chunk.num_frames) == key
         ]
         return picked[: self.max_decode_batch]
+
+
+def context_frames(stream: Stream, chunk: ChunkState) -> int:
+    """How many cached frames the chunk's units attend to (its page table's sink and window)."""
+    table = stream.page_table
+    assert table is not None, f"stream {stream.id} has chunks but no page table"
+    return context_frame_count(chunk.first_frame, table.sink_frames, table.window_frames)
 
 
 # --- replicas -------------------------------------------------------------------------------

@@ -362,6 +362,9 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out
     assert report["kv_mode"] == "final" and report["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
     assert report["weights"] == "shipped" and report["prediction"] == "x0"
+    # The engine's counters: its DiT batches, and no CUDA graphs on a CPU.
+    engine = report["engine"]
+    assert engine["dit_batches"] > 0 and 1 <= engine["mean_batch_units"] <= 2 and "cuda_graphs" not in engine
     # One denoising step, clean K/V: the planning streams run what the flags say.
     assert (
         main(
@@ -421,7 +424,7 @@ def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path
         flight["most"] = 0
     assert most == [1, 3]  # one at a time, then three in flight together
     one, three = reports
-    assert three["concurrent"] == 3 and three["complete"]
+    assert three["concurrent"] == 3 and three["complete"] and "engine" not in three  # no model, no engine
     assert [e["seed"] for e in three["episodes"]] == [0, 1, 2, 3]
     keys = ("seed", "success", "steps", "plans", "branches", "final_position_error")
     ended = [[[e[k] for k in keys] for e in r["episodes"]] for r in (one, three)]

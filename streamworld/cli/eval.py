@@ -301,7 +301,9 @@ def _print_plan_summary(s: dict) -> None:
 
 @contextlib.asynccontextmanager
 async def _rollouts(args: argparse.Namespace, config):
-    """(what plans, frame size, rollouts_for(frame, world, seed)) for `_plan_episodes`."""
+    """(what plans, frame size, rollouts_for(frame, world, seed), counters()) for
+    `_plan_episodes`; counters() gives the engines' batches and CUDA graphs so far (None
+    in the true environment)."""
     from ..engine import AsyncEngine
     from ..models import get_preset
     from ..planning import EngineRollouts, EnsembleRollouts, planning_engine_config
@@ -313,6 +315,7 @@ async def _rollouts(args: argparse.Namespace, config):
             {"model": args.model, "rollouts": "simulator", "device": "cpu"},
             size,
             lambda frame, world, seed: SimulatorRollouts(world),
+            lambda: None,
         )
         return
     model = _load(args)
@@ -346,7 +349,20 @@ async def _rollouts(args: argparse.Namespace, config):
             },
             model.config.height,
             rollouts_for,
+            lambda: _engine_counters([engine, *others]),
         )
+
+
+def _engine_counters(engines: list) -> dict:
+    """DiT batches and their mean size over `engines`, and their CUDA graphs' counters: a
+    GPU run whose batches do not replay graphs shows it here."""
+    batches = sum(e.stats.batches for e in engines)
+    units = sum(size * n for e in engines for size, n in e.stats.batch_sizes.items())
+    out = {"dit_batches": batches, "mean_batch_units": round(units / batches, 2) if batches else 0.0}
+    graphs = [g for e in engines if (g := e.runner.graph_stats()) is not None]
+    if graphs:
+        out["cuda_graphs"] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
+    return out
 
 
 async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> dict:
@@ -356,14 +372,14 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> 
 
     results = []
     started = time.perf_counter()
-    async with _rollouts(args, config) as (planner, size, rollouts_for):
+    async with _rollouts(args, config) as (planner, size, rollouts_for, counters):
         # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
         # them one by one, which is faster there (pusht/batch_locate.py).
         cost_device = planner["device"] if planner["device"].startswith("cuda") else None
         planned = {**planner, "cost_device": cost_device or "host"}
 
         def report(complete: bool) -> dict:
-            return _plan_report(args, config, seeds, planned, results, started, complete)
+            return _plan_report(args, config, seeds, planned, results, started, complete, counters())
 
         bar = tqdm(total=len(seeds), desc=f"planning {args.model}", unit="episode")
         slots = asyncio.Semaphore(args.concurrent)
@@ -425,8 +441,10 @@ def _plan_report(
     results: list,
     started: float,
     complete: bool,
+    engine: dict | None = None,
 ) -> dict:
-    """The --plan JSON: the planner, the search, the summary and the episodes in seed order."""
+    """The --plan JSON: the planner, the search, the summary, the engine's counters (through
+    the model) and the episodes in seed order."""
     from ..pusht.planning import summary
 
     order = {seed: i for i, seed in enumerate(seeds)}
@@ -444,5 +462,6 @@ def _plan_report(
         "concurrent": args.concurrent,
         "cem": vars(config),
         "summary": summary(results, time.perf_counter() - started),
+        **({} if engine is None else {"engine": engine}),
         "episodes": [r.to_json() for r in sorted(results, key=lambda r: order[r.seed])],
     }

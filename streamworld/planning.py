@@ -232,8 +232,9 @@ def colored_noise(rng: np.random.Generator, shape: tuple[int, ...], beta: float)
 
 def planning_engine_config(branches: int, cuda_graphs: bool = False, planners: int = 1) -> EngineConfig:
     """An in-process engine for `EngineRollouts` with forks of up to `branches`, for
-    `planners` planners at once: every observed stream and branch live at once, the forks
-    of all planners in flight are one batch, and no deadline applies (a plan waits for its
+    `planners` planners at once: every observed stream and branch live at once, a batch
+    large enough for the forks of all planners in flight (the scheduler batches those that
+    attend to as many cached frames), and no deadline applies (a plan waits for its
     forks)."""
     return dataclasses.replace(
         offline_config(planners * (branches + 1), batch_units=planners * branches),

@@ -496,8 +496,9 @@ def test_cuda_graphs_match_the_reference_tiny_wan_with_sinks_moving_and_prompts_
 def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):
     from streamworld.engine import SchedulerConfig, StreamRequest
 
-    # One unit per batch (`--token-budget 8192` at 480x832): with the noisy mode's pipelined
-    # chunks, larger batches mix context lengths, and those run eagerly.
+    # One unit per batch (`--token-budget 8192` at 480x832). Chosen when the noisy mode's
+    # pipelined chunks mixed context lengths in larger batches, which run eagerly; the
+    # scheduler now batches one context length at a time.
     scheduler = SchedulerConfig(lookahead_chunks=1e6, token_budget=8192)
     requests = [StreamRequest(seed=i, num_chunks=3, prompt="a fox", kv_mode="noisy") for i in range(2)]
     stats = _graphed_vs_reference(wan13b, requests, "wan2.1-t2v-1.3b bf16 480x832", 5e-2, scheduler=scheduler)

@@ -17,7 +17,7 @@ from streamworld.engine.kv_modes import (
 )
 from streamworld.engine.kv_pool import KVPagePool, PageTable
 from streamworld.engine.request import PRIORITY_CLASSES, StreamRequest
-from streamworld.engine.scheduler import ReadyUnit, Scheduler
+from streamworld.engine.scheduler import ReadyUnit, Scheduler, context_frames
 from streamworld.engine.stream import ActionTrack, Stream, WorkUnit, chunk_duration_s
 from streamworld.models.presets import PUSHT, TINY_WAN
 
@@ -115,6 +115,16 @@ def test_units_batch_only_with_units_of_the_same_context_length():
     ready_far = sched.ready_units(far, 0)
     assert {r.shape[2] for r in ready_far} == {1 + 5}
     assert len(sched.next_batch(ready_far)) == 2
+
+
+def test_an_image_models_chunks_count_the_first_image_as_context():
+    """PushT: the first image's prefill attends to nothing, chunk 0 to the image (the sink),
+    then the window fills (4 frames a chunk, a window of 8) and stays full."""
+    stream = make_stream(7, PUSHT, kv_mode="final")
+    contexts = [context_frames(stream, stream.start_prefill(T0))]
+    for _ in range(5):
+        contexts.append(context_frames(stream, stream.start_chunk(chunk_phases("final", STEPS), T0)))
+    assert contexts == [0, 1, 5, 9, 9, 9]
 
 
 def test_lookahead_bounds_how_early_a_chunk_starts():

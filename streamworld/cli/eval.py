@@ -97,8 +97,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="episodes planned at once (default 1): their forks share the engine and run as one "
-        "batch, more branches per DiT call (at most 64, and 272 planning streams: N x (samples + 1)). "
+        help="episodes planned at once (default 1): their forks share the engine and batch "
+        "together where they attend to as many cached frames, more branches per DiT call (at "
+        "most 64, and 272 planning streams: N x (samples + 1)). "
         "Batched frames may differ from one-at-a-time ones by float rounding, so an episode's "
         "outcome can differ. On an H200 it was slower than one episode at a time before a "
         "scheduler fix that is not yet measured there (docs/planning.md): processes side by "

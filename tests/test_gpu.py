@@ -493,6 +493,25 @@ def test_cuda_graphs_match_the_reference_tiny_wan_with_sinks_moving_and_prompts_
     _graphed_vs_reference(model, requests, "tiny-wan float32 compiled", 1e-3)
 
 
+def test_cuda_graphs_with_room_for_two_keep_two_and_still_match_the_reference(monkeypatch):
+    """With room for only two graphs per stage, the many batch shapes of four streams in
+    every mode keep at most two graphs at a time (`CaptureChoice`), the rest run eagerly,
+    and the frames still equal the reference's."""
+    import functools
+
+    from streamworld.engine import StreamRequest, runner
+    from streamworld.engine.graphs import StageGraphs
+
+    monkeypatch.setattr(runner, "StageGraphs", functools.partial(StageGraphs, max_graphs=2))
+    requests = [
+        StreamRequest(seed=i, num_chunks=5, prompt=f"p{i % 2}", kv_mode=m)
+        for i, m in enumerate(["clean", "final", "noisy", "noisy"])
+    ]
+    model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
+    stats = _graphed_vs_reference(model, requests, "tiny-wan float32, two graphs", 1e-3)
+    assert stats["captured"] - stats["evicted"] <= 2 and stats["eager"] > 0
+
+
 def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):
     from streamworld.engine import SchedulerConfig, StreamRequest
 

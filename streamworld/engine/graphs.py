@@ -8,8 +8,13 @@ A graph fixes shapes and addresses, so one is captured per batch shape: the numb
 units, their frames, their context length (all equal: only batches whose K/V has one
 batched reader, `PagedKVBatch`, are graphed) and how many sink tokens move. A shape is
 captured the second time it is seen (the first runs eagerly, which also warms the kernels'
-lazy set-up), at most `max_graphs` are kept (least recently used goes), and everything else
-(mixed context lengths, more units than `max_batch`, the CPU) runs eagerly as before.
+lazy set-up), at most `max_graphs` are kept, and everything else (mixed context lengths,
+more units than `max_batch`, the CPU) runs eagerly as before. Once `max_graphs` graphs
+exist, a new shape replaces the least-seen one only if it has been seen at least twice as
+often (`CaptureChoice`); otherwise it runs eagerly. Replacing the least recently used one
+instead recaptured a graph on every batch once more shapes than that took turns, as the
+many batch sizes of concurrent planning episodes can, and a capture costs more than an
+eager run.
 
 Each graph reads its inputs from buffers of its own that every call refills on the rank's
 stream before the replay: the activation, the per-frame modulation, the queries' rotation,
@@ -28,6 +33,7 @@ import logging
 import threading
 import weakref
 from collections import Counter, OrderedDict
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +57,45 @@ class GraphStats:
 
     def to_json(self) -> dict:
         return dict(vars(self))
+
+
+class CaptureChoice:
+    """Which batch shapes get a CUDA graph, from how often each is seen (plain Python).
+
+    A shape is captured the second time it is seen. Once `capacity` graphs exist, a new
+    shape is captured only if it has been seen at least twice as often as the least-seen
+    shape with a graph, which then goes (of equals, the least recently used). A shape seen
+    about as often as those kept runs eagerly instead, so shapes taking turns do not make
+    every batch a capture (the margin keeps counts that differ by one, as in any cycle,
+    from trading places). Every count halves each `half_life` sightings, so a workload
+    that changes shapes gets graphs for the new ones within a few half-lives."""
+
+    def __init__(self, capacity: int, half_life: int | None = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self.half_life = half_life or 16 * capacity
+        self.counts: Counter[Hashable] = Counter()
+        self._since_halving = 0
+
+    def seen(self, key: Hashable) -> None:
+        self.counts[key] += 1
+        self._since_halving += 1
+        if self._since_halving >= self.half_life:
+            self._since_halving = 0
+            self.counts = Counter({k: n // 2 for k, n in self.counts.items() if n >= 2})
+
+    def admits(self, key: Hashable, cached: Mapping[Hashable, Any]) -> bool:
+        """Whether to capture `key`, which has no graph, now (after `seen(key)`)."""
+        n = self.counts[key]
+        if n < 2:
+            return False
+        return len(cached) < self.capacity or n >= 2 * min(self.counts[k] for k in cached)
+
+    def victim(self, cached: Mapping[Hashable, Any]) -> Hashable:
+        """The graph to drop for a new one: the least seen; of equals, the first in
+        `cached`'s order (least recently used first)."""
+        return min(cached, key=lambda k: self.counts[k])
 
 
 @dataclass
@@ -78,8 +123,8 @@ class StageGraphs:
         self.dit, self.stage, self.device = dit, stage, device
         self.max_batch, self.max_graphs = max_batch, max_graphs
         self.stats = GraphStats()
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self._seen: Counter[tuple] = Counter()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
+        self._choice = CaptureChoice(max_graphs)
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None  # where graphs are captured
         self._text: tuple[torch.Tensor, torch.Tensor] | None = None  # [blocks, max_batch, L, H, d]
@@ -91,14 +136,19 @@ class StageGraphs:
         plan = dit.plan_blocks(act, units)
         key = self._key(act, plan, units)
         entry = None if key is None else self._graphs.get(key)
-        if entry is None and key is not None and not self.stats.failures:
-            self._seen[key] += 1
-            if self._seen[key] >= 2:
-                try:
-                    entry = self._capture(key, act, plan, units)
-                except Exception:  # the stage runs eagerly from now on, as without graphs
-                    log.warning("stage %d: CUDA graph capture failed; eager now", stage.index, exc_info=True)
-                    self.stats.failures += 1
+        if key is not None:
+            self._choice.seen(key)
+        if (
+            entry is None
+            and key is not None
+            and not self.stats.failures
+            and self._choice.admits(key, self._graphs)
+        ):
+            try:
+                entry = self._capture(key, act, plan, units)
+            except Exception:  # the stage runs eagerly from now on, as without graphs
+                log.warning("stage %d: CUDA graph capture failed; eager now", stage.index, exc_info=True)
+                self.stats.failures += 1
         if entry is None:
             self.stats.eager += 1
             return dit.run_planned(act, plan, dit.stacked_text(units), stage.start, stage.stop)
@@ -112,7 +162,7 @@ class StageGraphs:
     def release(self) -> None:
         """Drops every graph and buffer (the K/V cache they point into is going); `stats` stay."""
         self._graphs.clear()
-        self._seen.clear()
+        self._choice = CaptureChoice(self.max_graphs)
         self._text, self._slots, self._pool = None, [], None
 
     def _key(self, act: StageActivation, plan: BlockPlan, units: list[ChunkInput]) -> tuple | None:
@@ -175,12 +225,12 @@ class StageGraphs:
             finally:
                 graph.capture_end()
         entry = _Graph(graph, hidden, modulation, static, out)
+        while len(self._graphs) >= self.max_graphs:
+            del self._graphs[self._choice.victim(self._graphs)]
+            self.stats.evicted += 1
         self._graphs[key] = entry
         self.stats.captured += 1
         log.info("stage %d: CUDA graph %d captured for %s", stage.index, self.stats.captured, key[0])
-        while len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-            self.stats.evicted += 1
         return entry
 
     def _text_slots(self, unit: ChunkInput) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,9 @@ from streamworld.models import get_preset
 from streamworld.models.world_model import WorldModel
 from streamworld.planning import CEMConfig, cem, rate_limited
 from streamworld.pusht.planning import (
+    EpisodeResult,
     Task,
+    _execute,
     frame_cost,
     make_task,
     reached,
@@ -25,7 +27,7 @@ from streamworld.pusht.planning import (
     state_error,
     surprised,
 )
-from streamworld.pusht.world import Scene
+from streamworld.pusht.world import PushTWorld, Scene
 
 
 def test_cem_finds_the_action_sequence_a_known_cost_wants():
@@ -221,6 +223,36 @@ def test_a_task_starts_where_its_recording_passed_and_its_goal_is_goal_steps_lat
     finally:
         world.close()
     assert isinstance(task, Task) and len(task.actions) == task.start_step + 5
+
+
+def test_steps_drawn_only_at_the_end_draw_what_every_step_draws():
+    """`advance` steps without drawing. The frame drawn after it is the one `step` gives, so
+    a task's goal frame and an executed plan's last frame do not depend on which was used;
+    `_execute` draws every frame only when it records them."""
+    task = make_task(3, 64, goal_steps=8)
+    drawn, undrawn = PushTWorld(64), PushTWorld(64)
+    try:
+        drawn.reset(3), undrawn.reset(3)
+        for action in task.actions:
+            frame = drawn.step(action)
+            undrawn.advance(action)
+        assert np.array_equal(frame, undrawn.render()) and np.array_equal(frame, task.goal_frame)
+        assert drawn.scene == undrawn.scene
+    finally:
+        drawn.close(), undrawn.close()
+    actions = np.random.default_rng(0).uniform(150.0, 350.0, (12, 2))
+    ends = []
+    for record in (False, True):
+        world, start = task.start(64)
+        try:
+            result = EpisodeResult(task.seed, False, 0, 0, frames=[])
+            ends.append((_execute(world, start, actions, task, result, record, None, 0.0), result))
+        finally:
+            world.close()
+    (quiet, quiet_result), (recorded, recorded_result) = ends
+    assert np.array_equal(quiet, recorded) and np.array_equal(recorded, recorded_result.frames[-1])
+    assert quiet_result.steps == recorded_result.steps and quiet_result.frames == []
+    assert len(recorded_result.frames) == recorded_result.steps > 0
 
 
 def test_the_best_frame_cost_scores_a_candidate_that_passes_through_the_goal():

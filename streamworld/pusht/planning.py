@@ -64,8 +64,8 @@ class Task:
         world = PushTWorld(size)
         frame = world.reset(self.seed)
         for a in self.actions[: self.start_step]:
-            frame = world.step(a)
-        return world, frame
+            world.advance(a)  # drawn once, at the end
+        return world, world.render() if self.start_step else frame
 
 
 def make_task(seed: int, size: int, goal_steps: int = GOAL_STEPS) -> Task:
@@ -77,7 +77,9 @@ def make_task(seed: int, size: int, goal_steps: int = GOAL_STEPS) -> Task:
     actions = []
     for _ in range(start_step + goal_steps):
         actions.append(policy(world.scene))
-        frame = world.step(actions[-1])
+        world.advance(actions[-1])  # the policy reads the scene; only the goal is drawn
+    if actions:
+        frame = world.render()
     task = Task(seed, start_step, np.asarray(actions, np.float32), frame, world.scene, goal_steps)
     world.close()
     return task
@@ -323,9 +325,15 @@ def _execute(
 ) -> np.ndarray:
     """Run `actions` in the real environment from `frame` until the goal is reached, or, with
     `replan_error`, until the real frame is `surprised` by the `predicted` one for that step
-    (with actions left), counting the steps in `result`; the last frame observed."""
+    (with actions left), counting the steps in `result`; the last frame observed. Only
+    the frames something reads are drawn: every step's when recording or checking for
+    surprise, else the last one (the next plan's observation)."""
+    every_frame = record or bool(replan_error)
     for h, action in enumerate(actions):
-        frame = world.step(action)
+        if every_frame:
+            frame = world.step(action)
+        else:
+            world.advance(action)
         result.steps += 1
         if record:
             result.frames.append(frame)
@@ -335,7 +343,7 @@ def _execute(
         if replan_error and h + 1 < len(actions) and surprised(frame, predicted[h], replan_error):
             result.replans_early += 1
             break
-    return frame
+    return frame if every_frame or not len(actions) else world.render()
 
 
 def surprised(real: np.ndarray, predicted: np.ndarray, tolerance: float) -> bool:

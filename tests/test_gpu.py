@@ -509,7 +509,7 @@ def test_cuda_graphs_with_room_for_two_keep_two_and_still_match_the_reference(mo
     ]
     model = WorldModel.load(tiny_config(), device="cuda", dtype="float32")
     stats = _graphed_vs_reference(model, requests, "tiny-wan float32, two graphs", 1e-3)
-    assert stats["captured"] - stats["evicted"] <= 2 and stats["eager"] > 0
+    assert stats["captured"] - stats["evicted"] <= 2  # one stage: never more than two kept
 
 
 def test_cuda_graphs_match_the_reference_wan13b_bf16(wan13b):

@@ -226,33 +226,48 @@ def test_a_task_starts_where_its_recording_passed_and_its_goal_is_goal_steps_lat
 
 
 def test_steps_drawn_only_at_the_end_draw_what_every_step_draws():
-    """`advance` steps without drawing. The frame drawn after it is the one `step` gives, so
-    a task's goal frame and an executed plan's last frame do not depend on which was used;
-    `_execute` draws every frame only when it records them."""
+    """`advance` steps without drawing and leaves the physics as `step` does. A task's start
+    frame and an executed plan's last frame (also when it stops early at the goal) are the
+    frames of stepping with every frame drawn; `_execute` draws every frame when it records."""
     task = make_task(3, 64, goal_steps=8)
+    assert task.start_step > 0
     drawn, undrawn = PushTWorld(64), PushTWorld(64)
     try:
         drawn.reset(3), undrawn.reset(3)
         for action in task.actions:
             frame = drawn.step(action)
             undrawn.advance(action)
-        assert np.array_equal(frame, undrawn.render()) and np.array_equal(frame, task.goal_frame)
-        assert drawn.scene == undrawn.scene
+        assert np.array_equal(frame, undrawn.render()) and drawn.scene == undrawn.scene
     finally:
         drawn.close(), undrawn.close()
-    actions = np.random.default_rng(0).uniform(150.0, 350.0, (12, 2))
-    ends = []
-    for record in (False, True):
-        world, start = task.start(64)
+    wander = np.random.default_rng(0).uniform(150.0, 350.0, (12, 2))
+    to_goal = np.concatenate([task.actions[task.start_step :], wander])  # reaches it, then stops
+    for actions, success in ((wander, False), (to_goal, True)):
+        ends = []
+        for record in (False, True):
+            world, start = task.start(64)
+            try:
+                result = EpisodeResult(task.seed, False, 0, 0, frames=[])
+                ends.append((start, _execute(world, start, actions, task, result, record, None, 0.0), result))
+            finally:
+                world.close()
+        reference = PushTWorld(64)
         try:
-            result = EpisodeResult(task.seed, False, 0, 0, frames=[])
-            ends.append((_execute(world, start, actions, task, result, record, None, 0.0), result))
+            reference.reset(3)
+            for action in task.actions[: task.start_step]:
+                first = reference.step(action)
+            for action in actions[: ends[0][2].steps]:
+                last = reference.step(action)
         finally:
-            world.close()
-    (quiet, quiet_result), (recorded, recorded_result) = ends
-    assert np.array_equal(quiet, recorded) and np.array_equal(recorded, recorded_result.frames[-1])
-    assert quiet_result.steps == recorded_result.steps and quiet_result.frames == []
-    assert len(recorded_result.frames) == recorded_result.steps > 0
+            reference.close()
+        (quiet_start, quiet, quiet_result), (_, recorded, recorded_result) = ends
+        assert np.array_equal(quiet_start, first)
+        assert np.array_equal(quiet, last) and np.array_equal(recorded, last)
+        assert quiet_result.success == recorded_result.success == success
+        assert quiet_result.steps == recorded_result.steps == len(recorded_result.frames)
+        assert quiet_result.frames == [] and np.array_equal(recorded_result.frames[-1], last)
+        # At the goal it stops (within the success test's tolerance, possibly a step early).
+        assert quiet_result.steps <= task.goal_steps if success else quiet_result.steps == len(actions)
 
 
 def test_the_best_frame_cost_scores_a_candidate_that_passes_through_the_goal():

@@ -62,7 +62,8 @@ class GraphStats:
 class CaptureChoice:
     """Which batch shapes get a CUDA graph, from how often each is seen (plain Python).
 
-    A shape is captured the second time it is seen. Once `capacity` graphs exist, a new
+    A shape is captured the second time it is seen (since the counts last halved: a
+    second sighting right at a halving waits for a third). Once `capacity` graphs exist, a new
     shape is captured only if it has been seen at least twice as often as the least-seen
     shape with a graph, which then goes (of equals, the least recently used). A shape seen
     about as often as those kept runs eagerly instead, so shapes taking turns do not make
@@ -73,6 +74,8 @@ class CaptureChoice:
     def __init__(self, capacity: int, half_life: int | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
+        if half_life is not None and half_life < 1:
+            raise ValueError(f"half_life must be at least 1, got {half_life}")
         self.capacity = capacity
         self.half_life = half_life or 16 * capacity
         self.counts: Counter[Hashable] = Counter()
@@ -145,7 +148,7 @@ class StageGraphs:
             and self._choice.admits(key, self._graphs)
         ):
             try:
-                entry = self._capture(key, act, plan, units)
+                entry = self._keep(key, self._capture(act, plan, units))
             except Exception:  # the stage runs eagerly from now on, as without graphs
                 log.warning("stage %d: CUDA graph capture failed; eager now", stage.index, exc_info=True)
                 self.stats.failures += 1
@@ -186,7 +189,18 @@ class StageGraphs:
             move,
         )
 
-    def _capture(self, key: tuple, act: StageActivation, plan: BlockPlan, units: list[ChunkInput]) -> _Graph:
+    def _keep(self, key: tuple, entry: _Graph) -> _Graph:
+        """A captured graph into the stage's graphs, after dropping what `CaptureChoice`
+        picks to make room (never `key`, which is not there yet)."""
+        while len(self._graphs) >= self.max_graphs:
+            del self._graphs[self._choice.victim(self._graphs)]
+            self.stats.evicted += 1
+        self._graphs[key] = entry
+        self.stats.captured += 1
+        log.info("stage %d: CUDA graph %d captured for %s", self.stage.index, self.stats.captured, key[0])
+        return entry
+
+    def _capture(self, act: StageActivation, plan: BlockPlan, units: list[ChunkInput]) -> _Graph:
         dit, stage = self.dit, self.stage
         if self._text is None:
             self._text = self._text_slots(units[0])
@@ -224,14 +238,7 @@ class StageGraphs:
                 out = dit.run_planned(inputs, static, text, stage.start, stage.stop).hidden
             finally:
                 graph.capture_end()
-        entry = _Graph(graph, hidden, modulation, static, out)
-        while len(self._graphs) >= self.max_graphs:
-            del self._graphs[self._choice.victim(self._graphs)]
-            self.stats.evicted += 1
-        self._graphs[key] = entry
-        self.stats.captured += 1
-        log.info("stage %d: CUDA graph %d captured for %s", stage.index, self.stats.captured, key[0])
-        return entry
+        return _Graph(graph, hidden, modulation, static, out)
 
     def _text_slots(self, unit: ChunkInput) -> tuple[torch.Tensor, torch.Tensor]:
         k = unit.text.keys[self.stage.start]

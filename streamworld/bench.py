@@ -41,6 +41,7 @@ from .engine import (
     StreamRequest,
     on_torch_thread,
 )
+from .engine.graphs import summed_stats
 from .models.world_model import WorldModel
 from .scenes import first_frame_source
 
@@ -246,9 +247,9 @@ def _placement_figures(
     links = [(r, link) for r, e in enumerate(engines) for link in e.runner.links]  # as _Window.copies
     if any(link.crosses for _, link in links):
         out["stage_copies"] = _copy_figures(links, start, end, wall)
-    graphs = [g for e in engines if (g := e.runner.graph_stats()) is not None]
-    if graphs:  # over the whole run, warm-up included: captures happen there
-        out["cuda_graphs"] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
+    graphs = summed_stats(g.stats for e in engines for g in e.runner.graphs or [])
+    if graphs is not None:  # over the whole run, warm-up included: captures happen there
+        out["cuda_graphs"] = graphs
     if len(engines) > 1:
         out["per_replica"] = _replica_figures(streams["per_stream"], replica_of, len(engines))
     return out

@@ -359,12 +359,14 @@ async def _rollouts(args: argparse.Namespace, config):
 def _engine_counters(engines: list) -> dict:
     """DiT batches and their mean size over `engines`, and their CUDA graphs' counters: a
     GPU run whose batches do not replay graphs shows it here."""
+    from ..engine.graphs import summed_stats
+
     batches = sum(e.stats.batches for e in engines)
     units = sum(size * n for e in engines for size, n in e.stats.batch_sizes.items())
     out = {"dit_batches": batches, "mean_batch_units": round(units / batches, 2) if batches else 0.0}
-    graphs = [g for e in engines if (g := e.runner.graph_stats()) is not None]
-    if graphs:
-        out["cuda_graphs"] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
+    graphs = summed_stats(g.stats for e in engines for g in e.runner.graphs or [])
+    if graphs is not None:
+        out["cuda_graphs"] = graphs
     return out
 
 

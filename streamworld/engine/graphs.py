@@ -33,7 +33,7 @@ import logging
 import threading
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,12 @@ class GraphStats:
 
     def to_json(self) -> dict:
         return dict(vars(self))
+
+
+def summed_stats(stats: Iterable[GraphStats]) -> dict | None:
+    """Graph counters added up (over stages, engines or both); None for none at all."""
+    counters = [st.to_json() for st in stats]
+    return {k: sum(c[k] for c in counters) for k in counters[0]} if counters else None
 
 
 class CaptureChoice:

@@ -33,7 +33,7 @@ from ..models.schedule import chunk_noise
 from ..models.transfer import to_device
 from ..models.vae import image_from_uint8, uint8_frames
 from ..models.world_model import WorldModel, image_as_last_frame
-from .graphs import StageGraphs
+from .graphs import StageGraphs, summed_stats
 from .kv_cache import KVCache, PagedKVView
 from .kv_pool import Stage
 from .placement import ReplicaPlacement
@@ -193,10 +193,7 @@ class ModelRunner:
 
     def graph_stats(self) -> dict | None:
         """The CUDA graphs' counters summed over the stages (graphs.py); None without graphs."""
-        if not self.graphs:
-            return None
-        stats = [g.stats.to_json() for g in self.graphs]
-        return {k: sum(st[k] for st in stats) for k in stats[0]}
+        return summed_stats(g.stats for g in self.graphs or [])
 
     def release(self) -> None:
         """Drops the K/V cache's tensors, the graphs and every stream's tensors (the engine

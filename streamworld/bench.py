@@ -40,8 +40,8 @@ from .engine import (
     ReplicaSet,
     StreamRequest,
     on_torch_thread,
+    summed_stats,
 )
-from .engine.graphs import summed_stats
 from .models.world_model import WorldModel
 from .scenes import first_frame_source
 

@@ -359,7 +359,7 @@ async def _rollouts(args: argparse.Namespace, config):
 def _engine_counters(engines: list) -> dict:
     """DiT batches and their mean size over `engines`, and their CUDA graphs' counters: a
     GPU run whose batches do not replay graphs shows it here."""
-    from ..engine.graphs import summed_stats
+    from ..engine import summed_stats
 
     batches = sum(e.stats.batches for e in engines)
     units = sum(size * n for e in engines for size, n in e.stats.batch_sizes.items())

@@ -25,6 +25,7 @@ from .config import EngineConfig, SchedulerConfig
 from .cpu_threads import ThreadGovernor
 from .engine import AsyncEngine
 from .executor import on_torch_thread
+from .graphs import summed_stats
 from .handle import StreamHandle
 from .kv_modes import context_frame_indices
 from .offline import generate_all, generate_all_sync, offline_config
@@ -82,4 +83,5 @@ __all__ = [
     "on_torch_thread",
     "parse_placement",
     "single_device",
+    "summed_stats",
 ]

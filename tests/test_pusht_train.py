@@ -473,3 +473,127 @@ def test_clips_start_from_the_episode_start_or_as_streams_of_their_own(tmp_path,
             assert trained.tolist() == [False] * (n // cfg.latent_frames_per_chunk - 1) + [True]
         late += start > 1
     assert late > 0
+
+
+@pytest.fixture(scope="module")
+def data_24(tmp_path_factory):
+    """Episodes long enough for stream clips of 4 chunks (the sink moves for the fourth)."""
+    from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset
+
+    folder = tmp_path_factory.mktemp("pusht-data-24")
+    generate_dataset(DatasetSpec(episodes=2, steps=24, size=64, seed=5), folder, workers=1, progress=False)
+    return Dataset.load(folder)
+
+
+def _unroll_trainer(data, tmp_path, prediction: str, **overrides):
+    from streamworld.pusht.train import TrainConfig, Trainer
+
+    config = TrainConfig(**{"batch_size": 4, "clip_chunks": 4, "unroll_share": 1.0, "seed": 3, **overrides})
+    return Trainer(
+        smoke_config(PUSHT).with_prediction(prediction), config, data, tmp_path / prediction, "cpu"
+    )
+
+
+@pytest.mark.parametrize("prediction", ["x0", "delta"])
+def test_the_unrolled_sampler_is_the_served_one_step_clean_rollout(data_24, tmp_path, prediction):
+    """`Trainer.unrolled` predicts each stream clip as the reference generator serves it
+    with one step (t = 1000) in `clean` mode from the clip's sink and actions, given the
+    same noise: every chunk, including the fourth, for which the sink moves."""
+    import dataclasses
+
+    from streamworld.engine import GenerationRequest, ReferenceGenerator
+    from streamworld.models.schedule import chunk_noise
+
+    trainer = _unroll_trainer(data_24, tmp_path, prediction)
+    cfg, chunk = trainer.mcfg, trainer.batcher.chunk
+    served = WorldModel.load(dataclasses.replace(cfg, denoising_steps=(1000.0,)), random_weights=True)
+    served.dit.load_state_dict(trainer.dit.state_dict())
+    batch = trainer.batcher.sample(3)
+    shape = served.latent_shape(chunk)
+    seeds = [11, 12, 13]
+    noise = torch.stack([torch.cat([chunk_noise(s, c, 0, shape) for c in range(4)], 1) for s in seeds])
+    with torch.no_grad():
+        unrolled = trainer.unrolled(batch["frames"], batch["actions"], noise)
+    to_uint8 = lambda v: ((v + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0)  # noqa: E731
+    for i, seed in enumerate(seeds):
+        request = GenerationRequest(
+            seed=seed,
+            num_chunks=4,
+            image=to_uint8(batch["frames"][i, :, :1])[0].numpy(),
+            actions=batch["actions"][i].numpy(),
+            kv_mode="clean",
+        )
+        expected = ReferenceGenerator(served).generate(request).latents
+        torch.testing.assert_close(unrolled[i], expected, rtol=1e-4, atol=1e-4)
+    # The noise matters: the model's own draws, not the truth, are its context.
+    with torch.no_grad():
+        other = trainer.unrolled(batch["frames"], batch["actions"], torch.randn_like(noise))
+    assert (other[:, :, -chunk:] - unrolled[:, :, -chunk:]).abs().max() > 1e-3
+
+
+def test_the_unrolled_objective_backpropagates_through_the_models_own_context(data_24, tmp_path):
+    """The last chunk depends on the first chunk's noise only through the model's own
+    prediction of the first chunk in its context: the gradient reaches it. Training steps on
+    the objective lower it."""
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", lr=3e-3, warmup_steps=1)
+    chunk = trainer.batcher.chunk
+    batch = trainer.batcher.sample(2)
+    frames, actions = batch["frames"], batch["actions"]
+    noise = torch.randn(frames[:, :, 1:].shape, requires_grad=True)
+    pred = trainer.unrolled(frames, actions, noise)
+    (grad,) = torch.autograd.grad(pred[:, :, -chunk:].square().sum(), noise)
+    assert grad[:, :, :chunk].abs().max() > 0  # through chunks 1, 2 and 3's context
+    assert grad[:, :, chunk : 2 * chunk].abs().max() > 0
+
+    def loss() -> float:
+        trainer.gen.manual_seed(5)
+        with torch.no_grad():
+            return float(trainer.unrolled_loss(batch)[0])
+
+    before = loss()
+    trainer.next_batch = lambda: batch  # one batch, learned by heart
+    stats = [trainer.train_step() for _ in range(6)]
+    assert {"loss_unrolled", "loss_unrolled_last"} <= stats[-1].keys()
+    assert "loss_clean" not in stats[-1]  # the whole batch is unrolled
+    assert loss() < 0.9 * before
+
+
+def test_a_batch_splits_between_the_teacher_forced_and_the_unrolled_objective(data_24, tmp_path):
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", unroll_share=0.5)
+    batch = trainer.batcher.sample(4)
+    with torch.no_grad():
+        trainer.gen.manual_seed(1)
+        loss, stats = trainer.objective(batch)
+        trainer.gen.manual_seed(1)
+        unrolled, _ = trainer.unrolled_loss({k: v[2:] for k, v in batch.items()})
+        taught, _ = trainer.loss({k: v[:2] for k, v in batch.items()})
+    assert "loss_unrolled" in stats and any(k in stats for k in ("loss_clean", "loss_final"))
+    assert float(loss) == pytest.approx((float(unrolled) + float(taught)) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        ({"clip_chunks": None}, "stream clips"),
+        ({"rollout_share": 0.5}, "cannot be combined"),
+        ({"unroll_share": 1.5}, r"in \[0, 1\]"),
+    ],
+)
+def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
+    from streamworld.pusht.train import TrainConfig, Trainer
+
+    config = TrainConfig(**{"batch_size": 4, "clip_chunks": 4, "unroll_share": 1.0, **overrides})
+    with pytest.raises(ValueError, match=error):
+        Trainer(smoke_config(PUSHT), config, data_24, tmp_path / "bad", "cpu")
+
+
+def test_train_cli_runs_the_unrolled_objective_and_refuses_it_without_stream_clips(tmp_path, capsys):
+    from streamworld.cli import main as cli_main
+
+    work = tmp_path / "unroll"
+    args = ["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]
+    assert cli_main([*args, "--clip-chunks", "2", "--unroll-share", "0.5"]) == 0
+    history = torch.load(work / "checkpoint.pt", weights_only=False)["history"]
+    assert history and "loss_unrolled" in history[-1]
+    assert cli_main([*args, "--unroll-share", "0.5"]) == 2
+    assert "--clip-chunks" in capsys.readouterr().err

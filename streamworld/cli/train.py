@@ -158,6 +158,16 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "served, and every later chunk is trained (default 0; docs/pusht.md)",
     )
     group.add_argument(
+        "--unroll-share",
+        type=float,
+        default=0.0,
+        help="share of each batch trained end to end on whole rollouts: the one-step clean sampler "
+        "(what `--steps 1000 --kv-mode clean` serves) is unrolled over each stream clip, every chunk "
+        "predicted from noise with the model's own earlier chunks as context, and every prediction "
+        "is compared with the true frames, the gradient flowing back through the rollout. Needs "
+        "--clip-chunks; not with --rollout-share; costs a forward of the clip per chunk (default 0)",
+    )
+    group.add_argument(
         "--rollout-targets",
         choices=ROLLOUT_TARGETS,
         default="true",
@@ -242,6 +252,7 @@ def _configs(args: argparse.Namespace):
 def _rollout_options(args: argparse.Namespace) -> dict:
     return {
         "rollout_share": args.rollout_share,
+        "unroll_share": args.unroll_share,
         "rollout_every": args.rollout_every,
         "rollout_episodes": args.rollout_episodes,
         "rollout_frames": args.rollout_frames,
@@ -255,7 +266,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
     for name in ("change_weight", "block_weight", "rollout_max_mismatch"):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
-    for name in ("push_share", "jump_share", "rollout_share"):
+    for name in ("push_share", "jump_share", "rollout_share", "unroll_share"):
         if not 0 <= getattr(args, name) <= 1:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
     for name in (
@@ -278,6 +289,10 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
             "--rollout-share with --clip-chunks needs 2 chunks or more: "
             "a clip's first chunk has no own context"
         )
+    if args.unroll_share > 0 and args.clip_chunks is None:
+        raise UsageError("--unroll-share unrolls stream clips: give --clip-chunks too")
+    if args.unroll_share > 0 and args.rollout_share > 0:
+        raise UsageError("--unroll-share and --rollout-share cannot be combined: choose one")
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
     if workdir.exists() and not workdir.is_dir():

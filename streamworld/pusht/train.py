@@ -27,6 +27,13 @@ itself. What the context copy holds decides which KV mode a sample trains for:
   to teach the model to go on from its own drift. Measured on default clips (docs/pusht.md,
   rounds 5-7), they barely lowered it: off by default.
 
+- `unrolled` (`unroll_share` of each batch, stream clips only): no context copy of the truth
+  at all. The one-step `clean` sampler (`--steps 1000 --kv-mode clean`, what planning serves)
+  is unrolled over the clip: chunk c is predicted from pure noise with the model's own
+  predictions of chunks < c as its clean context, and every prediction is compared with the
+  true frames, gradients flowing back through the whole rollout. This is an objective over
+  rollouts, where the other regimes train one chunk at a time on a given context.
+
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
 only the last chunk, whose window is full, is trained: it stands for the steady state where
@@ -61,6 +68,7 @@ import torch
 from ..engine import context_frame_indices
 from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
+from ..models.schedule import NUM_TRAIN_TIMESTEPS, FlowSchedule
 from ..models.world_model import WorldModel, image_as_last_frame, resolve_device
 from .data import ROLLOUT_TARGETS, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
@@ -108,6 +116,9 @@ class TrainConfig:
     rollout_max_mismatch: float = MAX_MISMATCH
     # Processes that simulate targets ("simulated"); 1 runs them in the training process.
     rollout_workers: int = 1
+    # Share of each batch trained end to end on the unrolled one-step `clean` sampler
+    # (`Trainer.unrolled`); needs stream clips (`clip_chunks`), and excludes rollouts.
+    unroll_share: float = 0.0
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding.
@@ -598,6 +609,7 @@ class Trainer:
             data, model_config, self.device, self.gen, train_config.start_share, train_config.clip_chunks
         )
         self.rollouts = self._rollout_context()
+        self._check_unroll()
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
@@ -628,6 +640,17 @@ class Trainer:
             workers=cfg.rollout_workers,
             max_mismatch=cfg.rollout_max_mismatch,
         )
+
+    def _check_unroll(self) -> None:
+        cfg = self.cfg
+        if not 0 <= cfg.unroll_share <= 1:
+            raise ValueError(f"unroll_share must be in [0, 1], got {cfg.unroll_share}")
+        if cfg.unroll_share == 0:
+            return
+        if not self.batcher.stream_clips:
+            raise ValueError("the unrolled objective needs stream clips: give clip_chunks (--clip-chunks)")
+        if cfg.rollout_share > 0:
+            raise ValueError("unroll_share and rollout_share cannot be combined: choose one")
 
     # --- checkpoints ------------------------------------------------------------------
     @property
@@ -754,6 +777,77 @@ class Trainer:
             per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
         return loss, _regime_losses(per_sample, regime, own)
 
+    def unrolled(self, frames: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """The one-step `clean` sampler unrolled over stream clips, differentiably: clean
+        latents [B, C, L, h, w] of each clip, chunk by chunk, as `--steps 1000 --kv-mode clean`
+        serves them from the clip's sink and actions with `noise` [B, C, L, h, w] as each
+        chunk's noise (the reference generator's, given the same noise).
+
+        Chunk c is denoised in one step from pure noise at t = 1000 with the model's own
+        predictions of the earlier chunks in the context copy at t = 0, as `clean` mode
+        commits them. One forward of the whole clip layout per chunk: chunk c reads only the
+        context before it, so what the copy holds from chunk c on does not reach it, and
+        every forward has one shape (one compilation)."""
+        n, chunk, sinks = self.batcher.clip, self.batcher.chunk, self.batcher.sinks
+        b, dev = frames.shape[0], frames.device
+        sink = frames_to_latents(frames[:, :, :1], self.mcfg.anchored_pixels)
+        t = float(NUM_TRAIN_TIMESTEPS)  # one step: sigma 1, the input is the noise itself
+        schedule = FlowSchedule((t,), self.mcfg.prediction)
+        timesteps = torch.cat([torch.zeros(b, sinks + n, device=dev), torch.full((b, n), t, device=dev)], 1)
+        zero = torch.zeros(b, sinks, actions.shape[-1], device=dev)
+        latent_actions = torch.cat([zero, actions, actions], 1)
+        text = self.dit.prepare_text(self.text_zeros)
+        sinks_in = sink.expand(-1, -1, sinks, -1, -1)
+        last = image_as_last_frame(self.mcfg, sink)  # what the first chunk's "delta" adds to
+        predicted: list[torch.Tensor] = []
+        for c in range(n // chunk):
+            later = torch.zeros_like(noise[:, :, c * chunk :])
+            latents = torch.cat([sinks_in, *predicted, later, noise], 2)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                out = self._forward(
+                    latents,
+                    timesteps,
+                    text,
+                    self.batcher.positions,
+                    self.batcher.frame_mask,
+                    latent_actions,
+                    max_position=self.batcher.max_position,
+                )
+            mine = slice(c * chunk, (c + 1) * chunk)  # chunk c in the clip
+            out_c = out[:, :, sinks + n :][:, :, mine].float()
+            x0 = schedule.x0_from_flow(noise[:, :, mine], out_c, 0, last)
+            predicted.append(x0)
+            last = x0[:, :, -1:]
+        return torch.cat(predicted, 2)
+
+    def unrolled_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The unrolled sampler's error against the true clip (`unrolled`), over every chunk,
+        with the change and block weights; stats: the mean and the last chunk's."""
+        frames = batch["frames"]
+        x0 = frames_to_latents(frames, self.mcfg.anchored_pixels)[:, :, 1:]
+        noise = torch.randn(x0.shape, generator=self.gen, device=self.device)
+        err = self._weighted_error(self.unrolled(frames, batch["actions"], noise), x0, frames)  # [B, L]
+        last = err[:, -self.batcher.chunk :]
+        stats = {
+            "loss_unrolled": float(err.detach().mean()),
+            "loss_unrolled_last": float(last.detach().mean()),
+        }
+        return err.mean(), stats
+
+    def objective(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The step's loss: `loss` on the batch, or with `unroll_share` the last share of its
+        samples on `unrolled_loss` instead, the two weighted by their samples."""
+        b = len(batch["frames"])
+        u = round(self.cfg.unroll_share * b)
+        if not u:
+            return self.loss(batch)
+        rest = {k: v[: b - u] for k, v in batch.items()}
+        unrolled, stats = self.unrolled_loss({k: v[b - u :] for k, v in batch.items()})
+        if u == b:
+            return unrolled, stats
+        loss, more = self.loss(rest)
+        return (loss * (b - u) + unrolled * u) / b, {**more, **stats}
+
     def _weighted_error(self, pred: torch.Tensor, target: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         """Squared error per sample and frame [B, L], with the change and block weights."""
         err = (pred - target).pow(2)
@@ -784,7 +878,7 @@ class Trainer:
         lr = _lr_at(self.step, self.cfg)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        loss, stats = self.loss(self.next_batch())
+        loss, stats = self.objective(self.next_batch())
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.dit.parameters(), self.cfg.grad_clip)

@@ -413,17 +413,23 @@ def test_weights_grown_into_a_deeper_model_compute_the_same_and_load_at_their_de
 
 
 @pytest.mark.parametrize(
+    "objective",
+    [{}, {"clip_chunks": 3, "unroll_share": 0.5}],
+    ids=["teacher-forced", "unrolled"],
+)
+@pytest.mark.parametrize(
     "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
 )
-def test_compiled_training_steps_equal_the_eager_ones(small_data, tmp_path, device):
+def test_compiled_training_steps_equal_the_eager_ones(small_data, tmp_path, device, objective):
     """`--compile`: the same seeds give the same losses and weights as the eager forward, up to
-    float rounding (bf16 autocast on a GPU), and the forward did go through torch.compile."""
+    float rounding (bf16 autocast on a GPU), and the forward did go through torch.compile;
+    also with half of each batch on the unrolled objective."""
     from torch._dynamo.utils import counters
 
     from streamworld.pusht.train import TrainConfig, Trainer
 
     def trainer(name: str, compiled: bool) -> Trainer:
-        config = TrainConfig(batch_size=4, warmup_steps=1, compile=compiled, seed=7)
+        config = TrainConfig(batch_size=4, warmup_steps=1, compile=compiled, seed=7, **objective)
         return Trainer(smoke_config(PUSHT), config, small_data, tmp_path / name, device)
 
     torch._dynamo.reset()

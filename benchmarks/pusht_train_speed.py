@@ -10,13 +10,15 @@ the other; the first step's time, which includes the compilation, is reported ap
 
     python benchmarks/pusht_train_speed.py --device cuda --compile both --json train_speed.json
 
-A variant is `name=layers,heads,ffn,batch[,clip_chunks]` (the width is heads x 32, as in
-the shipped model; `clip_chunks` as `train pusht --clip-chunks`, longer stream clips that
-train every chunk; each row says how many chunks a clip trains on average); the defaults
-are the shipped shape at batch 128 and 512, 10 layers, and width 256:
+A variant is `name=layers,heads,ffn,batch[,clip_chunks[,unroll_share]]` (the width is
+heads x 32, as in the shipped model; `clip_chunks` as `train pusht --clip-chunks`, longer
+stream clips that train every chunk; each row says how many chunks a clip trains on
+average; `unroll_share` as `train pusht --unroll-share`, that share of each batch trained
+on the unrolled one-step sampler); the defaults are the shipped shape at batch 128 and
+512, 10 layers, and width 256:
 
     python benchmarks/pusht_train_speed.py --device cuda --compile on shipped=6,6,768,128 \
-        stream5=6,6,768,128,5
+        stream5=6,6,768,128,5 unroll5=6,6,768,128,5,0.25
 """
 
 from __future__ import annotations
@@ -53,20 +55,33 @@ def variant_config(layers: int, heads: int, ffn: int) -> ModelConfig:
     return dataclasses.replace(PUSHT, dit=dit, builtin_weights=None)
 
 
-def model_flops(config: ModelConfig, batch: int, chunks: int | None = None) -> float:
+def model_flops(
+    config: ModelConfig, batch: int, chunks: int | None = None, unrolled: int = 0
+) -> float | None:
     """FLOPs of one training step (forward and backward): 6 x matrix parameters x tokens for
     the blocks' linear layers, and 12 x head width x attended (query, key) pairs x heads for
-    self-attention (the frame mask's pairs only)."""
+    self-attention (the frame mask's pairs only); `unrolled` of the `batch` clips run the
+    unrolled sampler's forwards instead, one per chunk (None where the code timed has no
+    `unroll_layouts`: the script also times older commits)."""
     d = config.dit
     width = d["num_attention_heads"] * d["attention_head_dim"]
     per_block = 4 * width * width + 2 * width * d["ffn_dim"] + 2 * width * width  # self, ffn, cross q/out
     tokens_per_frame = (config.height // d["patch_size"][1]) * (config.width // d["patch_size"][2])
-    _, mask = clip_layout(config, chunks=chunks)
-    tokens = mask.shape[0] * tokens_per_frame
-    pairs = int(mask.sum()) * tokens_per_frame**2
-    linear = 6 * d["num_layers"] * per_block * tokens
-    attention = 12 * d["num_layers"] * pairs * width
-    return float(batch * (linear + attention))
+
+    def flops(mask: torch.Tensor) -> float:
+        tokens = mask.shape[0] * tokens_per_frame
+        pairs = int(mask.sum()) * tokens_per_frame**2
+        return 6 * d["num_layers"] * per_block * tokens + 12 * d["num_layers"] * pairs * width
+
+    total = (batch - unrolled) * flops(clip_layout(config, chunks=chunks)[1])
+    if unrolled:
+        try:
+            from streamworld.pusht.train import unroll_layouts
+        except ImportError:
+            return None
+        assert chunks is not None, "the unrolled objective needs stream clips"
+        total += unrolled * sum(flops(mask) for _, mask in unroll_layouts(config, chunks))
+    return float(total)
 
 
 def _sync(device: torch.device) -> None:
@@ -76,10 +91,18 @@ def _sync(device: torch.device) -> None:
 
 def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool, compiled: bool) -> dict:
     name, shape = spec.split("=")
-    layers, heads, ffn, batch, *chunks = (int(x) for x in shape.split(","))
-    clip_chunks = chunks[0] if chunks else None
+    layers, heads, ffn, batch, *rest = shape.split(",")
+    layers, heads, ffn, batch = int(layers), int(heads), int(ffn), int(batch)
+    clip_chunks = int(rest[0]) if rest else None
+    unroll_share = float(rest[1]) if len(rest) > 1 else 0.0
     config = variant_config(layers, heads, ffn)
-    train_config = TrainConfig(batch_size=batch, total_steps=10**9, compile=compiled, clip_chunks=clip_chunks)
+    train_config = TrainConfig(
+        batch_size=batch,
+        total_steps=10**9,
+        compile=compiled,
+        clip_chunks=clip_chunks,
+        unroll_share=unroll_share,
+    )
     trainer = Trainer(config, train_config, data, tempfile.mkdtemp(), device)
     dev = trainer.device
     if dev.type == "cuda":
@@ -96,7 +119,7 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
         trainer.train_step()
     _sync(dev)
     seconds = (time.perf_counter() - start) / steps
-    flops = model_flops(config, batch, clip_chunks)
+    flops = model_flops(config, batch, clip_chunks, round(unroll_share * batch))
     # Chunks a clip trains, on average over 512 clips (default clips: all of those that start
     # at the episode start, the last of the others; stream clips: all).
     trained = float(trainer.batcher.sample(512)["loss_chunks"].float().sum(1).mean())
@@ -109,14 +132,15 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
         "ffn": ffn,
         "batch": batch,
         "clip_chunks": trainer.batcher.num_chunks,
+        "unroll_share": unroll_share,
         "chunks_trained_per_clip": round(trained, 2),
         "chunks_trained_per_second": round(batch * trained / seconds, 1),
         "parameters_m": round(sum(p.numel() for p in trainer.dit.parameters()) / 1e6, 2),
         "step_ms": round(seconds * 1e3, 1),
         "steps_per_second": round(1 / seconds, 2),
         "clips_per_second": round(batch / seconds, 1),
-        "model_tflop_per_step": round(flops / 1e12, 3),
-        "model_tflops": round(flops / seconds / 1e12, 1),
+        "model_tflop_per_step": None if flops is None else round(flops / 1e12, 4),
+        "model_tflops": None if flops is None else round(flops / seconds / 1e12, 3),
     }
     if dev.type == "cuda":
         row["peak_memory_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 1)
@@ -146,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants",
         nargs="*",
         default=list(DEFAULT_VARIANTS),
-        help="name=layers,heads,ffn,batch[,clip_chunks]",
+        help="name=layers,heads,ffn,batch[,clip_chunks[,unroll_share]]",
     )
     p.add_argument("--episodes", type=int, default=256, help="episodes of the recorded data (default 256)")
     p.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "pusht-train-speed-data"))
@@ -166,14 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.episodes, args.steps) < 1 or args.warmup < 0:
         p.error("--episodes and --steps must be at least 1, --warmup at least 0")
     for v in args.variants:
-        if v.count("=") != 1 or len(v.split("=")[1].split(",")) not in (4, 5):
-            p.error(f"a variant is name=layers,heads,ffn,batch[,clip_chunks], not {v!r}")
+        if v.count("=") != 1 or len(v.split("=")[1].split(",")) not in (4, 5, 6):
+            p.error(f"a variant is name=layers,heads,ffn,batch[,clip_chunks[,unroll_share]], not {v!r}")
     data = prepare_data(args.data, DatasetSpec(episodes=args.episodes, steps=150, seed=1, push_share=0.85))
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.compile]
     rows = []
     for i, (v, compiled) in enumerate(itertools.product(args.variants, modes)):
         rows.append(measure(data, v, args.device, args.warmup, args.steps, args.profile and i == 0, compiled))
-        rows[-1]["share_of_peak"] = round(rows[-1]["model_tflops"] / args.peak_tflops, 4)
+        tflops = rows[-1]["model_tflops"]
+        rows[-1]["share_of_peak"] = None if tflops is None else round(tflops / args.peak_tflops, 4)
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "benchmark": "pusht_train_speed",

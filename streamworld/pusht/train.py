@@ -184,6 +184,26 @@ def clip_layout(
     return positions.to(device), mask.to(device)
 
 
+def unroll_layouts(
+    config: ModelConfig, chunks: int, device: torch.device | str = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per chunk c of a stream clip of `chunks` chunks, the temporal positions and frame mask
+    of [sink copies | context copy of chunks 0 .. c-1 | the clip's chunk c], cut out of the
+    whole layout (`clip_layout`): what the unrolled sampler (`Trainer.unrolled`) runs for
+    chunk c. Nothing cut away is attended by what is kept: the context copy's frames see
+    only the sinks and earlier context, and chunk c the sinks, the context before it and
+    itself."""
+    positions, mask = clip_layout(config, device, chunks)
+    n, chunk = clip_length(config, chunks), config.latent_frames_per_chunk
+    sinks = len(positions) - 2 * n
+    cuts = []
+    for c in range(chunks):
+        own = sinks + n + c * chunk + torch.arange(chunk, device=positions.device)
+        keep = torch.cat([torch.arange(sinks + c * chunk, device=positions.device), own])
+        cuts.append((positions[keep], mask[keep][:, keep]))
+    return cuts
+
+
 class ClipBatcher:
     """Draws training samples from a data set held on the training device."""
 
@@ -610,6 +630,7 @@ class Trainer:
         )
         self.rollouts = self._rollout_context()
         self._check_unroll()
+        self._unroll_cuts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
@@ -784,38 +805,41 @@ class Trainer:
         chunk's noise (the reference generator's, given the same noise).
 
         Chunk c is denoised in one step from pure noise at t = 1000 with the model's own
-        predictions of the earlier chunks in the context copy at t = 0, as `clean` mode
-        commits them. One forward of the whole clip layout per chunk: chunk c reads only the
-        context before it, so what the copy holds from chunk c on does not reach it, and
-        every forward has one shape (one compilation)."""
-        n, chunk, sinks = self.batcher.clip, self.batcher.chunk, self.batcher.sinks
+        predictions of the earlier chunks as its context at t = 0, as `clean` mode commits
+        them. Each chunk is one forward over the part of the clip layout it needs
+        (`unroll_layouts`): the sink copies, the context copy of the chunks before it and
+        its own noisy chunk. These forwards have a shape per chunk, so they run eagerly
+        even with `compile` (a compilation per chunk would cost more than it saves)."""
+        chunk, sinks = self.batcher.chunk, self.batcher.sinks
         b, dev = frames.shape[0], frames.device
         sink = frames_to_latents(frames[:, :, :1], self.mcfg.anchored_pixels)
         t = float(NUM_TRAIN_TIMESTEPS)  # one step: sigma 1, the input is the noise itself
         schedule = FlowSchedule((t,), self.mcfg.prediction)
-        timesteps = torch.cat([torch.zeros(b, sinks + n, device=dev), torch.full((b, n), t, device=dev)], 1)
-        zero = torch.zeros(b, sinks, actions.shape[-1], device=dev)
-        latent_actions = torch.cat([zero, actions, actions], 1)
         text = self.dit.prepare_text(self.text_zeros)
         sinks_in = sink.expand(-1, -1, sinks, -1, -1)
+        zero = torch.zeros(b, sinks, actions.shape[-1], device=dev)
         last = image_as_last_frame(self.mcfg, sink)  # what the first chunk's "delta" adds to
         predicted: list[torch.Tensor] = []
-        for c in range(n // chunk):
-            later = torch.zeros_like(noise[:, :, c * chunk :])
-            latents = torch.cat([sinks_in, *predicted, later, noise], 2)
+        if self._unroll_cuts is None:
+            self._unroll_cuts = unroll_layouts(self.mcfg, self.batcher.num_chunks, dev)
+        for c, (positions, mask) in enumerate(self._unroll_cuts):
+            mine = slice(c * chunk, (c + 1) * chunk)  # chunk c in the clip
+            timesteps = torch.cat(
+                [torch.zeros(b, sinks + c * chunk, device=dev), torch.full((b, chunk), t, device=dev)], 1
+            )
+            latent_actions = torch.cat([zero, actions[:, : c * chunk], actions[:, mine]], 1)
+            latents = torch.cat([sinks_in, *predicted, noise[:, :, mine]], 2)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-                out = self._forward(
+                out = self.dit.forward_masked(
                     latents,
                     timesteps,
                     text,
-                    self.batcher.positions,
-                    self.batcher.frame_mask,
+                    positions,
+                    mask,
                     latent_actions,
-                    max_position=self.batcher.max_position,
+                    max_position=int(positions.max()),
                 )
-            mine = slice(c * chunk, (c + 1) * chunk)  # chunk c in the clip
-            out_c = out[:, :, sinks + n :][:, :, mine].float()
-            x0 = schedule.x0_from_flow(noise[:, :, mine], out_c, 0, last)
+            x0 = schedule.x0_from_flow(noise[:, :, mine], out[:, :, -chunk:].float(), 0, last)
             predicted.append(x0)
             last = x0[:, :, -1:]
         return torch.cat(predicted, 2)

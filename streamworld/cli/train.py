@@ -142,7 +142,7 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the training forward through torch.compile: fused kernels, the same losses up to "
         "rounding; the first step compiles (45 s on an H200). Needs Triton on a GPU, a C++ compiler "
-        "on the CPU",
+        "on the CPU. The forwards of --unroll-share stay eager",
     )
     group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
@@ -165,7 +165,8 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "(what `--steps 1000 --kv-mode clean` serves) is unrolled over each stream clip, every chunk "
         "predicted from noise with the model's own earlier chunks as context, and every prediction "
         "is compared with the true frames, the gradient flowing back through the rollout. Needs "
-        "--clip-chunks; not with --rollout-share; costs a forward of the clip per chunk (default 0)",
+        "--clip-chunks; not with --rollout-share; a forward per chunk, eager even with --compile "
+        "(default 0; docs/pusht.md)",
     )
     group.add_argument(
         "--rollout-targets",

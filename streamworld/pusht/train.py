@@ -121,7 +121,7 @@ class TrainConfig:
     unroll_share: float = 0.0
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
-    # up to float rounding.
+    # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
     compile: bool = False
     # Chunks per training clip; None: the window's chunks and one more, the sink being the
     # episode's first frame. Given, every clip is trained as a stream of its own from the

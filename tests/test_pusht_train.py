@@ -491,26 +491,35 @@ def data_24(tmp_path_factory):
     return Dataset.load(folder)
 
 
-def _unroll_trainer(data, tmp_path, prediction: str, **overrides):
+def _unroll_trainer(data, tmp_path, prediction: str, context_timestep: float = 0.0, **overrides):
+    import dataclasses
+
     from streamworld.pusht.train import TrainConfig, Trainer
 
     config = TrainConfig(**{"batch_size": 4, "clip_chunks": 4, "unroll_share": 1.0, "seed": 3, **overrides})
-    return Trainer(
-        smoke_config(PUSHT).with_prediction(prediction), config, data, tmp_path / prediction, "cpu"
+    model = dataclasses.replace(
+        smoke_config(PUSHT).with_prediction(prediction), context_timestep=context_timestep
     )
+    return Trainer(model, config, data, tmp_path / prediction, "cpu")
 
 
-@pytest.mark.parametrize("prediction", ["x0", "delta"])
-def test_the_unrolled_sampler_is_the_served_one_step_clean_rollout(data_24, tmp_path, prediction):
+@pytest.mark.parametrize(
+    ("prediction", "context_timestep"), [("x0", 0.0), ("delta", 0.0), ("flow", 0.0), ("delta", 50.0)]
+)
+def test_the_unrolled_sampler_is_the_served_one_step_clean_rollout(
+    data_24, tmp_path, prediction, context_timestep
+):
     """`Trainer.unrolled` predicts each stream clip as the reference generator serves it
     with one step (t = 1000) in `clean` mode from the clip's sink and actions, given the
-    same noise: every chunk, including the fourth, for which the sink moves."""
+    same noise: every chunk, including the fourth, for which the sink moves; for each
+    kind of output, and with a context timestep other than 0 (the sink's prefill and the
+    commit passes)."""
     import dataclasses
 
     from streamworld.engine import GenerationRequest, ReferenceGenerator
     from streamworld.models.schedule import chunk_noise
 
-    trainer = _unroll_trainer(data_24, tmp_path, prediction)
+    trainer = _unroll_trainer(data_24, tmp_path, prediction, context_timestep)
     cfg, chunk = trainer.mcfg, trainer.batcher.chunk
     served = WorldModel.load(dataclasses.replace(cfg, denoising_steps=(1000.0,)), random_weights=True)
     served.dit.load_state_dict(trainer.dit.state_dict())
@@ -538,18 +547,21 @@ def test_the_unrolled_sampler_is_the_served_one_step_clean_rollout(data_24, tmp_
 
 
 def test_the_unrolled_objective_backpropagates_through_the_models_own_context(data_24, tmp_path):
-    """The last chunk depends on the first chunk's noise only through the model's own
-    prediction of the first chunk in its context: the gradient reaches it. Training steps on
-    the objective lower it."""
-    trainer = _unroll_trainer(data_24, tmp_path, "delta", lr=3e-3, warmup_steps=1)
-    chunk = trainer.batcher.chunk
-    batch = trainer.batcher.sample(2)
+    """An x0 model's last chunk depends on the first chunk's noise only through the model's
+    own prediction of the first chunk in its context: the gradient reaches it (a delta
+    model's would also reach it through the frame each chunk adds its output to). Training
+    steps on the objective lower it."""
+    x0 = _unroll_trainer(data_24, tmp_path, "x0")
+    chunk = x0.batcher.chunk
+    batch = x0.batcher.sample(2)
     frames, actions = batch["frames"], batch["actions"]
     noise = torch.randn(frames[:, :, 1:].shape, requires_grad=True)
-    pred = trainer.unrolled(frames, actions, noise)
+    pred = x0.unrolled(frames, actions, noise)
     (grad,) = torch.autograd.grad(pred[:, :, -chunk:].square().sum(), noise)
     assert grad[:, :, :chunk].abs().max() > 0  # through chunks 1, 2 and 3's context
     assert grad[:, :, chunk : 2 * chunk].abs().max() > 0
+
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", lr=3e-3, warmup_steps=1)
 
     def loss() -> float:
         trainer.gen.manual_seed(5)
@@ -565,16 +577,45 @@ def test_the_unrolled_objective_backpropagates_through_the_models_own_context(da
 
 
 def test_a_batch_splits_between_the_teacher_forced_and_the_unrolled_objective(data_24, tmp_path):
-    trainer = _unroll_trainer(data_24, tmp_path, "delta", unroll_share=0.5)
+    """A quarter of a batch of 4: the last clip is unrolled, the first three teacher-forced,
+    and the loss weighs the two by their clips."""
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", unroll_share=0.25)
     batch = trainer.batcher.sample(4)
     with torch.no_grad():
         trainer.gen.manual_seed(1)
         loss, stats = trainer.objective(batch)
         trainer.gen.manual_seed(1)
-        unrolled, _ = trainer.unrolled_loss({k: v[2:] for k, v in batch.items()})
-        taught, _ = trainer.loss({k: v[:2] for k, v in batch.items()})
+        unrolled, _ = trainer.unrolled_loss({k: v[3:] for k, v in batch.items()})
+        taught, _ = trainer.loss({k: v[:3] for k, v in batch.items()})
     assert "loss_unrolled" in stats and any(k in stats for k in ("loss_clean", "loss_final"))
-    assert float(loss) == pytest.approx((float(unrolled) + float(taught)) / 2, rel=1e-5)
+    assert abs(float(unrolled) - float(taught)) > 1e-3 * float(taught)  # so the weights matter
+    assert float(loss) == pytest.approx((float(unrolled) + 3 * float(taught)) / 4, rel=1e-5)
+
+
+def test_each_unrolled_chunk_runs_the_closed_part_of_the_layout_it_reads(monkeypatch):
+    """Chunk c keeps the sink copies used up to it, the context of chunks 0 .. c-1 and
+    itself, and nothing kept attends to anything cut away; a layout where a chunk would
+    read a later context chunk is refused."""
+    import streamworld.pusht.train as train
+    from streamworld.pusht.train import unroll_layouts
+
+    cfg = smoke_config(PUSHT)
+    positions, mask = clip_layout(cfg, chunks=5)
+    n, chunk = clip_length(cfg, 5), cfg.latent_frames_per_chunk
+    cuts = unroll_layouts(cfg, 5)
+    assert [cut.sinks for cut in cuts] == [1, 1, 1, 2, 3]  # the sink moves for chunks 3 and 4
+    for c, cut in enumerate(cuts):
+        assert len(cut.positions) == cut.sinks + c * chunk + chunk
+        assert cut.max_position == int(cut.positions.max())
+        own = positions[3 + n + c * chunk : 3 + n + (c + 1) * chunk]
+        assert torch.equal(cut.positions[-chunk:], own)
+        assert cut.mask[-chunk:].sum() == mask[3 + n + c * chunk : 3 + n + (c + 1) * chunk].sum()
+
+    leaky = mask.clone()
+    leaky[3 + n + 2 * chunk, 3 + 3 * chunk] = True  # chunk 2 would read chunk 3's context
+    monkeypatch.setattr(train, "clip_layout", lambda *a, **k: (positions, leaky))
+    with pytest.raises(RuntimeError, match="chunk 2 of the unrolled sampler"):
+        unroll_layouts(cfg, 5)
 
 
 @pytest.mark.parametrize(
@@ -583,6 +624,7 @@ def test_a_batch_splits_between_the_teacher_forced_and_the_unrolled_objective(da
         ({"clip_chunks": None}, "stream clips"),
         ({"rollout_share": 0.5}, "cannot be combined"),
         ({"unroll_share": 1.5}, r"in \[0, 1\]"),
+        ({"unroll_share": 0.1}, "unrolls no clip"),  # 0.4 of a batch of 4
     ],
 )
 def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
@@ -593,13 +635,22 @@ def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
         Trainer(smoke_config(PUSHT), config, data_24, tmp_path / "bad", "cpu")
 
 
-def test_train_cli_runs_the_unrolled_objective_and_refuses_it_without_stream_clips(tmp_path, capsys):
+def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_path, capsys):
     from streamworld.cli import main as cli_main
 
+    smoke = ["train", "pusht", "--smoke", "--total-steps", "2"]
     work = tmp_path / "unroll"
-    args = ["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]
-    assert cli_main([*args, "--clip-chunks", "2", "--unroll-share", "0.5"]) == 0
+    assert cli_main([*smoke, "--workdir", str(work), "--clip-chunks", "2", "--unroll-share", "0.5"]) == 0
     history = torch.load(work / "checkpoint.pt", weights_only=False)["history"]
     assert history and "loss_unrolled" in history[-1]
-    assert cli_main([*args, "--unroll-share", "0.5"]) == 2
-    assert "--clip-chunks" in capsys.readouterr().err
+    refused = {
+        ("--unroll-share", "0.5"): "--clip-chunks",
+        ("--unroll-share", "0.5", "--clip-chunks", "2", "--rollout-share", "0.5"): "cannot be combined",
+        ("--unroll-share", "1.5", "--clip-chunks", "2"): "in [0, 1]",
+        ("--unroll-share", "0.25", "--clip-chunks", "2"): "unrolls no clip",  # the smoke batch is 2
+    }
+    for extra, reason in refused.items():
+        other = tmp_path / "refused"
+        assert cli_main([*smoke, "--workdir", str(other), *extra]) == 2
+        assert reason in capsys.readouterr().err
+        assert not (other / "data").exists()  # refused before recording any data

@@ -290,10 +290,6 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
             "--rollout-share with --clip-chunks needs 2 chunks or more: "
             "a clip's first chunk has no own context"
         )
-    if args.unroll_share > 0 and args.clip_chunks is None:
-        raise UsageError("--unroll-share unrolls stream clips: give --clip-chunks too")
-    if args.unroll_share > 0 and args.rollout_share > 0:
-        raise UsageError("--unroll-share and --rollout-share cannot be combined: choose one")
     if args.minutes <= 0:
         raise UsageError("--minutes must be positive")
     if workdir.exists() and not workdir.is_dir():
@@ -302,11 +298,15 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pusht.train import Trainer, prepare_data
+    from ..pusht.train import Trainer, check_unroll, prepare_data
 
     workdir = Path(args.workdir)
     _check(args, workdir)
     config, spec, train_config, device = _configs(args)
+    try:  # before any data is recorded
+        check_unroll(train_config)
+    except ValueError as e:
+        raise UsageError(f"--unroll-share: {e}") from None
     data_dir = Path(args.data) if args.data else workdir / "data"
     try:
         data = prepare_data(data_dir, spec, workers=args.workers)

@@ -60,6 +60,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import safetensors.torch
@@ -184,23 +185,69 @@ def clip_layout(
     return positions.to(device), mask.to(device)
 
 
-def unroll_layouts(
-    config: ModelConfig, chunks: int, device: torch.device | str = "cpu"
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per chunk c of a stream clip of `chunks` chunks, the temporal positions and frame mask
-    of [sink copies | context copy of chunks 0 .. c-1 | the clip's chunk c], cut out of the
-    whole layout (`clip_layout`): what the unrolled sampler (`Trainer.unrolled`) runs for
-    chunk c. Nothing cut away is attended by what is kept: the context copy's frames see
-    only the sinks and earlier context, and chunk c the sinks, the context before it and
-    itself."""
-    positions, mask = clip_layout(config, device, chunks)
+def unrolled_count(share: float, batch: int) -> int:
+    """How many clips of a batch the unrolled objective takes (the last ones; `Trainer.objective`)."""
+    return round(share * batch)
+
+
+def check_unroll(cfg: TrainConfig) -> None:
+    """ValueError where `cfg.unroll_share` cannot run with the rest of `cfg`."""
+    if not 0 <= cfg.unroll_share <= 1:
+        raise ValueError(f"unroll_share must be in [0, 1], got {cfg.unroll_share}")
+    if cfg.unroll_share == 0:
+        return
+    if cfg.clip_chunks is None:
+        raise ValueError("the unrolled objective unrolls stream clips: give clip_chunks (--clip-chunks)")
+    if cfg.rollout_share > 0:
+        raise ValueError("unroll_share and rollout_share cannot be combined: choose one")
+    if unrolled_count(cfg.unroll_share, cfg.batch_size) == 0:
+        raise ValueError(
+            f"unroll_share {cfg.unroll_share} of a batch of {cfg.batch_size} unrolls no clip; "
+            "raise the share or the batch size"
+        )
+
+
+class UnrollCut(NamedTuple):
+    """What the unrolled sampler runs for one chunk (`unroll_layouts`)."""
+
+    positions: torch.Tensor  # [F] temporal positions of the frames kept
+    mask: torch.Tensor  # [F, F] their frame mask
+    sinks: int  # copies of the sink kept, first
+    max_position: int  # the largest of `positions`
+
+
+def unroll_layouts(config: ModelConfig, chunks: int, device: torch.device | str = "cpu") -> list[UnrollCut]:
+    """Per chunk c of a stream clip of `chunks` chunks, the part of the whole layout
+    (`clip_layout`) that the clip's chunk c reads, directly or through the frames it reads:
+    [the sink copies that chunk c and the context before it use | context copy of chunks 0 ..
+    c-1 | the clip's chunk c]. What the unrolled sampler (`Trainer.unrolled`) runs for chunk
+    c. The set is closed: nothing cut away is attended by what is kept, so the kept frames
+    compute what they compute in the whole layout. A layout whose chunk c reads anything else
+    (a later context chunk, another clip chunk) is refused."""
+    positions, mask = clip_layout(config, "cpu", chunks)
     n, chunk = clip_length(config, chunks), config.latent_frames_per_chunk
     sinks = len(positions) - 2 * n
     cuts = []
     for c in range(chunks):
-        own = sinks + n + c * chunk + torch.arange(chunk, device=positions.device)
-        keep = torch.cat([torch.arange(sinks + c * chunk, device=positions.device), own])
-        cuts.append((positions[keep], mask[keep][:, keep]))
+        keep = torch.zeros(len(positions), dtype=torch.bool)
+        keep[sinks + n + c * chunk : sinks + n + (c + 1) * chunk] = True
+        while not torch.equal(grown := keep | mask[keep].any(0), keep):
+            keep = grown
+        context = [True] * (c * chunk) + [False] * (n - c * chunk)
+        if keep[sinks : sinks + n].tolist() != context or int(keep[sinks + n :].sum()) != chunk:
+            raise RuntimeError(
+                f"chunk {c} of the unrolled sampler reads frames other than the sinks, the context "
+                "before it and itself"
+            )
+        index = keep.nonzero()[:, 0]
+        cuts.append(
+            UnrollCut(
+                positions[index].to(device),
+                mask[index][:, index].to(device),
+                int(keep[:sinks].sum()),
+                int(positions[index].max()),
+            )
+        )
     return cuts
 
 
@@ -629,8 +676,8 @@ class Trainer:
             data, model_config, self.device, self.gen, train_config.start_share, train_config.clip_chunks
         )
         self.rollouts = self._rollout_context()
-        self._check_unroll()
-        self._unroll_cuts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        check_unroll(train_config)
+        self._unroll_cuts: list[UnrollCut] | None = None
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
@@ -661,17 +708,6 @@ class Trainer:
             workers=cfg.rollout_workers,
             max_mismatch=cfg.rollout_max_mismatch,
         )
-
-    def _check_unroll(self) -> None:
-        cfg = self.cfg
-        if not 0 <= cfg.unroll_share <= 1:
-            raise ValueError(f"unroll_share must be in [0, 1], got {cfg.unroll_share}")
-        if cfg.unroll_share == 0:
-            return
-        if not self.batcher.stream_clips:
-            raise ValueError("the unrolled objective needs stream clips: give clip_chunks (--clip-chunks)")
-        if cfg.rollout_share > 0:
-            raise ValueError("unroll_share and rollout_share cannot be combined: choose one")
 
     # --- checkpoints ------------------------------------------------------------------
     @property
@@ -805,39 +841,44 @@ class Trainer:
         chunk's noise (the reference generator's, given the same noise).
 
         Chunk c is denoised in one step from pure noise at t = 1000 with the model's own
-        predictions of the earlier chunks as its context at t = 0, as `clean` mode commits
-        them. Each chunk is one forward over the part of the clip layout it needs
-        (`unroll_layouts`): the sink copies, the context copy of the chunks before it and
-        its own noisy chunk. These forwards have a shape per chunk, so they run eagerly
-        even with `compile` (a compilation per chunk would cost more than it saves)."""
-        chunk, sinks = self.batcher.chunk, self.batcher.sinks
+        predictions of the earlier chunks as its context at the config's context timestep
+        (0 for every preset), as `clean` mode commits them. Each chunk is one forward over
+        the part of the clip layout it reads (`unroll_layouts`): the sink copies it uses,
+        the context copy of the chunks before it and its own noisy chunk. These forwards
+        have a shape per chunk, so they run eagerly even with `compile`, which would
+        compile each shape."""
+        chunk = self.batcher.chunk
         b, dev = frames.shape[0], frames.device
         sink = frames_to_latents(frames[:, :, :1], self.mcfg.anchored_pixels)
         t = float(NUM_TRAIN_TIMESTEPS)  # one step: sigma 1, the input is the noise itself
+        committed = self.mcfg.context_timestep  # the sink's prefill and every commit pass
         schedule = FlowSchedule((t,), self.mcfg.prediction)
         text = self.dit.prepare_text(self.text_zeros)
-        sinks_in = sink.expand(-1, -1, sinks, -1, -1)
-        zero = torch.zeros(b, sinks, actions.shape[-1], device=dev)
         last = image_as_last_frame(self.mcfg, sink)  # what the first chunk's "delta" adds to
         predicted: list[torch.Tensor] = []
         if self._unroll_cuts is None:
             self._unroll_cuts = unroll_layouts(self.mcfg, self.batcher.num_chunks, dev)
-        for c, (positions, mask) in enumerate(self._unroll_cuts):
+        for c, cut in enumerate(self._unroll_cuts):
             mine = slice(c * chunk, (c + 1) * chunk)  # chunk c in the clip
             timesteps = torch.cat(
-                [torch.zeros(b, sinks + c * chunk, device=dev), torch.full((b, chunk), t, device=dev)], 1
+                [
+                    torch.full((b, cut.sinks + c * chunk), committed, device=dev),
+                    torch.full((b, chunk), t, device=dev),
+                ],
+                1,
             )
+            zero = torch.zeros(b, cut.sinks, actions.shape[-1], device=dev)
             latent_actions = torch.cat([zero, actions[:, : c * chunk], actions[:, mine]], 1)
-            latents = torch.cat([sinks_in, *predicted, noise[:, :, mine]], 2)
+            latents = torch.cat([sink.expand(-1, -1, cut.sinks, -1, -1), *predicted, noise[:, :, mine]], 2)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 out = self.dit.forward_masked(
                     latents,
                     timesteps,
                     text,
-                    positions,
-                    mask,
+                    cut.positions,
+                    cut.mask,
                     latent_actions,
-                    max_position=int(positions.max()),
+                    max_position=cut.max_position,
                 )
             x0 = schedule.x0_from_flow(noise[:, :, mine], out[:, :, -chunk:].float(), 0, last)
             predicted.append(x0)
@@ -862,7 +903,7 @@ class Trainer:
         """The step's loss: `loss` on the batch, or with `unroll_share` the last share of its
         samples on `unrolled_loss` instead, the two weighted by their samples."""
         b = len(batch["frames"])
-        u = round(self.cfg.unroll_share * b)
+        u = unrolled_count(self.cfg.unroll_share, b)
         if not u:
             return self.loss(batch)
         rest = {k: v[: b - u] for k, v in batch.items()}

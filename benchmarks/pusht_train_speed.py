@@ -80,7 +80,7 @@ def model_flops(
         except ImportError:
             return None
         assert chunks is not None, "the unrolled objective needs stream clips"
-        total += unrolled * sum(flops(mask) for _, mask in unroll_layouts(config, chunks))
+        total += unrolled * sum(flops(cut.mask) for cut in unroll_layouts(config, chunks))
     return float(total)
 
 

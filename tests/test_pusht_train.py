@@ -654,3 +654,27 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
         assert cli_main([*smoke, "--workdir", str(other), *extra]) == 2
         assert reason in capsys.readouterr().err
         assert not (other / "data").exists()  # refused before recording any data
+
+
+def test_the_train_speed_benchmark_counts_and_times_the_unrolled_objective(tmp_path):
+    """benchmarks/pusht_train_speed.py: a variant's sixth field is its unroll share; the
+    model FLOPs of a step add the unrolled clips' forwards (`unroll_layouts`) to the
+    teacher-forced clips' (the timings belong to the benchmark, not to this test)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pusht_train_speed.py"
+    spec = importlib.util.spec_from_file_location("pusht_train_speed", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = bench.variant_config(6, 6, 768)
+    taught, unrolled, half = (bench.model_flops(cfg, 4, 5, u) for u in (0, 4, 2))
+    assert half == pytest.approx((taught + unrolled) / 2) and unrolled != pytest.approx(taught)
+    out = tmp_path / "speed.json"
+    argv = ["--device", "cpu", "--episodes", "2", "--data", str(tmp_path / "data"), "--warmup", "0"]
+    assert bench.main([*argv, "--steps", "1", "u=2,2,64,2,3,0.5", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["variants"]
+    assert (row["unroll_share"], row["clip_chunks"], row["batch"]) == (0.5, 3, 2)
+    expected = bench.model_flops(bench.variant_config(2, 2, 64), 2, 3, 1)
+    assert row["model_tflop_per_step"] == pytest.approx(expected / 1e12, abs=1e-4)

@@ -80,7 +80,8 @@ def model_flops(
         except ImportError:
             return None
         assert chunks is not None, "the unrolled objective needs stream clips"
-        total += unrolled * sum(flops(cut.mask) for cut in unroll_layouts(config, chunks))
+        # cut[1], the mask: also in the plain tuples of the commit that introduced the cuts.
+        total += unrolled * sum(flops(cut[1]) for cut in unroll_layouts(config, chunks))
     return float(total)
 
 
@@ -96,12 +97,10 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
     clip_chunks = int(rest[0]) if rest else None
     unroll_share = float(rest[1]) if len(rest) > 1 else 0.0
     config = variant_config(layers, heads, ffn)
+    # unroll_share only where asked: older commits, without it, are timed too.
+    unroll = {"unroll_share": unroll_share} if unroll_share else {}
     train_config = TrainConfig(
-        batch_size=batch,
-        total_steps=10**9,
-        compile=compiled,
-        clip_chunks=clip_chunks,
-        unroll_share=unroll_share,
+        batch_size=batch, total_steps=10**9, compile=compiled, clip_chunks=clip_chunks, **unroll
     )
     trainer = Trainer(config, train_config, data, tempfile.mkdtemp(), device)
     dev = trainer.device
@@ -139,7 +138,7 @@ def measure(data, spec: str, device: str, warmup: int, steps: int, profile: bool
         "step_ms": round(seconds * 1e3, 1),
         "steps_per_second": round(1 / seconds, 2),
         "clips_per_second": round(batch / seconds, 1),
-        "model_tflop_per_step": None if flops is None else round(flops / 1e12, 4),
+        "model_tflop_per_step": None if flops is None else round(flops / 1e12, 6),
         "model_tflops": None if flops is None else round(flops / seconds / 1e12, 3),
     }
     if dev.type == "cuda":

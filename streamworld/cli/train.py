@@ -165,8 +165,8 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "(what `--steps 1000 --kv-mode clean` serves) is unrolled over each stream clip, every chunk "
         "predicted from noise with the model's own earlier chunks as context, and every prediction "
         "is compared with the true frames, the gradient flowing back through the rollout. Needs "
-        "--clip-chunks; not with --rollout-share; a forward per chunk, eager even with --compile "
-        "(default 0; docs/pusht.md)",
+        "--clip-chunks; not with --rollout-share; rounded to whole clips of the batch, and refused "
+        "where that is none; a forward per chunk, eager even with --compile (default 0; docs/pusht.md)",
     )
     group.add_argument(
         "--rollout-targets",
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # before any data is recorded
         check_unroll(train_config)
     except ValueError as e:
-        raise UsageError(f"--unroll-share: {e}") from None
+        raise UsageError(str(e)) from None
     data_dir = Path(args.data) if args.data else workdir / "data"
     try:
         data = prepare_data(data_dir, spec, workers=args.workers)

@@ -193,17 +193,17 @@ def unrolled_count(share: float, batch: int) -> int:
 def check_unroll(cfg: TrainConfig) -> None:
     """ValueError where `cfg.unroll_share` cannot run with the rest of `cfg`."""
     if not 0 <= cfg.unroll_share <= 1:
-        raise ValueError(f"unroll_share must be in [0, 1], got {cfg.unroll_share}")
+        raise ValueError(f"--unroll-share (unroll_share) must be in [0, 1], got {cfg.unroll_share}")
     if cfg.unroll_share == 0:
         return
     if cfg.clip_chunks is None:
-        raise ValueError("the unrolled objective unrolls stream clips: give clip_chunks (--clip-chunks)")
+        raise ValueError("--unroll-share unrolls stream clips: give --clip-chunks (clip_chunks) too")
     if cfg.rollout_share > 0:
-        raise ValueError("unroll_share and rollout_share cannot be combined: choose one")
+        raise ValueError("--unroll-share and --rollout-share (rollout_share) cannot be combined: choose one")
     if unrolled_count(cfg.unroll_share, cfg.batch_size) == 0:
         raise ValueError(
-            f"unroll_share {cfg.unroll_share} of a batch of {cfg.batch_size} unrolls no clip; "
-            "raise the share or the batch size"
+            f"--unroll-share {cfg.unroll_share} of a batch of {cfg.batch_size} clips rounds to no "
+            "clip: raise the share or --batch-size"
         )
 
 
@@ -214,6 +214,7 @@ class UnrollCut(NamedTuple):
     mask: torch.Tensor  # [F, F] their frame mask
     sinks: int  # copies of the sink kept, first
     max_position: int  # the largest of `positions`
+    frames: torch.Tensor  # [F] the kept frames' places in the whole layout
 
 
 def unroll_layouts(config: ModelConfig, chunks: int, device: torch.device | str = "cpu") -> list[UnrollCut]:
@@ -246,6 +247,7 @@ def unroll_layouts(config: ModelConfig, chunks: int, device: torch.device | str 
                 mask[index][:, index].to(device),
                 int(keep[:sinks].sum()),
                 int(positions[index].max()),
+                index.to(device),
             )
         )
     return cuts
@@ -644,6 +646,7 @@ class Trainer:
         device: str = "auto",
         init: str | Path | None = None,
     ) -> None:
+        check_unroll(train_config)
         self.mcfg = model_config
         self.cfg = train_config
         self.workdir = Path(workdir)
@@ -676,8 +679,12 @@ class Trainer:
             data, model_config, self.device, self.gen, train_config.start_share, train_config.clip_chunks
         )
         self.rollouts = self._rollout_context()
-        check_unroll(train_config)
-        self._unroll_cuts: list[UnrollCut] | None = None
+        # The unrolled sampler's part of the layout for each chunk (`unrolled`).
+        self.unroll_cuts = (
+            unroll_layouts(model_config, self.batcher.num_chunks, self.device)
+            if train_config.unroll_share
+            else []
+        )
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
@@ -847,6 +854,8 @@ class Trainer:
         the context copy of the chunks before it and its own noisy chunk. These forwards
         have a shape per chunk, so they run eagerly even with `compile`, which would
         compile each shape."""
+        if not self.batcher.stream_clips:
+            raise ValueError("the unrolled sampler unrolls stream clips: give clip_chunks")
         chunk = self.batcher.chunk
         b, dev = frames.shape[0], frames.device
         sink = frames_to_latents(frames[:, :, :1], self.mcfg.anchored_pixels)
@@ -856,9 +865,8 @@ class Trainer:
         text = self.dit.prepare_text(self.text_zeros)
         last = image_as_last_frame(self.mcfg, sink)  # what the first chunk's "delta" adds to
         predicted: list[torch.Tensor] = []
-        if self._unroll_cuts is None:
-            self._unroll_cuts = unroll_layouts(self.mcfg, self.batcher.num_chunks, dev)
-        for c, cut in enumerate(self._unroll_cuts):
+        cuts = self.unroll_cuts or unroll_layouts(self.mcfg, self.batcher.num_chunks, dev)
+        for c, cut in enumerate(cuts):
             mine = slice(c * chunk, (c + 1) * chunk)  # chunk c in the clip
             timesteps = torch.cat(
                 [

@@ -679,10 +679,10 @@ class Trainer:
             data, model_config, self.device, self.gen, train_config.start_share, train_config.clip_chunks
         )
         self.rollouts = self._rollout_context()
-        # The unrolled sampler's part of the layout for each chunk (`unrolled`).
+        # The unrolled sampler's part of the layout for each chunk (`unrolled`): stream clips only.
         self.unroll_cuts = (
             unroll_layouts(model_config, self.batcher.num_chunks, self.device)
-            if train_config.unroll_share
+            if self.batcher.stream_clips
             else []
         )
         self.text_zeros = torch.zeros(
@@ -865,8 +865,7 @@ class Trainer:
         text = self.dit.prepare_text(self.text_zeros)
         last = image_as_last_frame(self.mcfg, sink)  # what the first chunk's "delta" adds to
         predicted: list[torch.Tensor] = []
-        cuts = self.unroll_cuts or unroll_layouts(self.mcfg, self.batcher.num_chunks, dev)
-        for c, cut in enumerate(cuts):
+        for c, cut in enumerate(self.unroll_cuts):
             mine = slice(c * chunk, (c + 1) * chunk)  # chunk c in the clip
             timesteps = torch.cat(
                 [
@@ -914,11 +913,10 @@ class Trainer:
         u = unrolled_count(self.cfg.unroll_share, b)
         if not u:
             return self.loss(batch)
-        rest = {k: v[: b - u] for k, v in batch.items()}
         unrolled, stats = self.unrolled_loss({k: v[b - u :] for k, v in batch.items()})
         if u == b:
             return unrolled, stats
-        loss, more = self.loss(rest)
+        loss, more = self.loss({k: v[: b - u] for k, v in batch.items()})
         return (loss * (b - u) + unrolled * u) / b, {**more, **stats}
 
     def _weighted_error(self, pred: torch.Tensor, target: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:

@@ -329,12 +329,27 @@ def test_evaluate_reports_every_horizon_for_model_and_baseline(pusht):
     assert report["baseline"]["psnr"][0] > 30
     table = markdown_table(report)
     assert "copy first frame" in table and "model, noisy" in table and "h=8" in table
+    assert "| model, clean | block lost (share) | 0.00 |" in table  # beside the error it leaves out
     # A chunk ahead of the true first frame the shipped model draws the block as a T.
     assert set(report["block_t_shape"]) == {"clean", "noisy"}
     for shares in report["block_t_shape"].values():
         assert list(shares) == ["1", "2", "4", "8"] and shares["1"] == 1.0
         assert all(0 <= v <= 1 for v in shares.values())
     assert "| model, noisy | block is a T (share) | 1.00 |" in table
+    # Each seed's own results, at the report horizons: their means are the report's means.
+    per_seed = report["per_seed"]
+    assert per_seed["seeds"] == [0, 1] and per_seed["horizons"] == [1, 2, 4, 8]
+    for mode in ("clean", "noisy"):
+        for metric in ("block_px", "agent_px", "psnr"):
+            rows = per_seed[mode][metric]
+            assert len(rows) == 2 and all(len(r) == 4 for r in rows)
+            for i, h in enumerate(per_seed["horizons"]):
+                found = [r[i] for r in rows if r[i] is not None]
+                assert np.mean(found) == pytest.approx(report["modes"][mode][metric][h - 1], abs=1e-3)
+        shapes = per_seed[mode]["block_t_shape"]
+        for i, h in enumerate(per_seed["horizons"]):
+            assert np.mean([r[i] for r in shapes]) == report["block_t_shape"][mode][str(h)]
+    json.dumps(per_seed, allow_nan=False)  # strict JSON: a lost object is null, not NaN
 
 
 def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):

@@ -3,8 +3,8 @@
 Subcommands: `serve` (the streaming server), `config` (the deployment file, checked and
 printed), `ray-serve` (replicas on Ray Serve), `generate` (the sequential reference
 generator), `bench` (the engine against the sequential baseline), `train` and `eval` (the
-embedded PushT world model), `distill-decoder` (the lite decoder) and `models` (the model
-presets).
+embedded PushT world model), `compare` (two evaluation reports, seed by seed),
+`distill-decoder` (the lite decoder) and `models` (the model presets).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import argparse
 import sys
 
 from .. import __version__
-from . import bench, config, distill_decoder, eval, generate, models, ray_serve, serve, train
+from . import bench, compare, config, distill_decoder, eval, generate, models, ray_serve, serve, train
 from .deployment import given_dests
 from .errors import UsageError
 
 # In the order `streamworld --help` lists them.
-COMMANDS = (serve, config, ray_serve, generate, bench, train, eval, distill_decoder, models)
+COMMANDS = (serve, config, ray_serve, generate, bench, train, eval, compare, distill_decoder, models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,11 +10,17 @@ h (frames after the first), over all seeds:
   baseline (predicting that nothing moves);
 - the distance, in frame pixels, between where the agent (and the T block) is in the true
   frame and in the predicted one, both located the same way (`world.locate`), with the
-  baseline's error for comparison, and how often the model lost the object (not visible);
+  baseline's error for comparison, and how often the model lost the object (not visible).
+  The mean error is over the seeds where both frames show the object, so a model that
+  loses the block where it is hardest to place lowers its mean: read it beside the share
+  lost, and compare two models with `streamworld compare`, which pairs the seeds;
 - at the horizons of `REPORT_HORIZONS`, how often the predicted block is still a T
   (`block_t_shape`): its fitted T's mismatch (`pose.fit_block`) is within
   `pose.MAX_MISMATCH`, the bound that true frames meet with room to spare. A block that
   blurs into a blob, or vanishes, is not.
+
+The report keeps each seed's block and agent errors, PSNR and T shape at those horizons
+(`per_seed`), so that `streamworld compare` can test two reports seed by seed.
 
 With `teacher_forced`, one more predictor, `teacher-forced`: every chunk is predicted from
 the true past (`clean` mode, each chunk's K/V committed from the true frames instead of the
@@ -49,6 +55,8 @@ from .world import PushTWorld, locate
 # The policy seed of evaluation episode `seed` (disjoint from the training data's).
 POLICY_SEED_OFFSET = 500_000
 REPORT_HORIZONS = (1, 2, 4, 8, 16, 24, 32)
+# The metrics the report also keeps per seed (`per_seed`), at the report horizons.
+PER_SEED_METRICS = ("block_px", "agent_px", "psnr")
 
 
 # Classes of the block's motion over one chunk (`motion_breakdown`): its move over the chunk
@@ -239,8 +247,28 @@ def _report(
             for name, p in predictors.items()
         },
         "generation_fps": {name: round(frames_made / p.seconds, 1) for name, p in predictors.items()},
+        "per_seed": _per_seed(seeds, horizon, predictors),
         **({"teacher_forced_by_motion": motion_breakdown(forced.motion)} if forced is not None else {}),
     }
+
+
+def _per_seed(seeds: list[int], horizon: int, predictors: dict[str, _Predictor]) -> dict:
+    """Each seed's own results at the report horizons, for paired comparisons of two reports
+    (`streamworld compare`): per predictor, per metric of `PER_SEED_METRICS`, one row per
+    seed, one value per horizon (null where the object was not found), and whether the block
+    is a T."""
+    hs = [h for h in REPORT_HORIZONS if h <= horizon]
+    out: dict = {"seeds": list(seeds), "horizons": hs}
+    for name, p in predictors.items():
+        out[name] = {
+            key: [[_finite_or_none(r[h - 1][key]) for h in hs] for r in p.rows] for key in PER_SEED_METRICS
+        }
+        out[name]["block_t_shape"] = [[p.shapes[h][i] for h in hs] for i in range(len(seeds))]
+    return out
+
+
+def _finite_or_none(value: float) -> float | None:
+    return None if math.isnan(value) else round(value, 4)
 
 
 def chunk_motion(
@@ -342,13 +370,14 @@ def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) ->
         ("agent_px", "agent error (px)", 2),
         ("block_px", "block error (px)", 2),
         ("agent_lost", "agent lost (share)", 2),
+        ("block_lost", "block lost (share)", 2),
     ]
     predictors = [("copy first frame", report["baseline"])] + [
         (f"model, {m}", v) for m, v in report["modes"].items()
     ]
     for name, values in predictors:
         for key, label, digits in metrics:
-            if name == "copy first frame" and key == "agent_lost":
+            if name == "copy first frame" and key in ("agent_lost", "block_lost"):
                 continue
             cells = [_cell(values[key][h - 1], digits) for h in hs]
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + " |")

@@ -1,0 +1,208 @@
+"""`streamworld compare`: two evaluation reports, seed by seed (`streamworld/pusht/compare.py`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamworld.cli import main
+from streamworld.pusht.compare import (
+    MAX_REPORTS,
+    CompareError,
+    bootstrap_interval,
+    compare,
+    format_comparison,
+    load_side,
+    sign_test,
+)
+
+CEM = {"horizon": 24, "samples": 16, "elites": 4, "iterations": 3}
+
+
+def plan_report(successes: dict[int, bool], **settings) -> dict:
+    """A planning report as `eval --plan` writes it, with the fields compare reads."""
+    return {
+        "model": "pusht-delta",
+        "weights": "shipped",
+        "goal_steps": 25,
+        "budget": 50,
+        "cem": CEM,
+        **settings,
+        "summary": {"episodes": len(successes)},
+        "episodes": [{"seed": s, "success": ok, "steps": 20 if ok else 50} for s, ok in successes.items()],
+    }
+
+
+def prediction_report(block: dict[int, list], shapes: dict[int, list] | None = None, **settings) -> dict:
+    """A prediction report with per-seed results for one KV mode (clean), horizons 8 and 32."""
+    seeds = list(block)
+    rows = [block[s] for s in seeds]
+    return {
+        "model": "pusht-delta",
+        "weights": "shipped",
+        "horizon": 32,
+        "frame_size": 64,
+        **settings,
+        "modes": {"clean": {}},
+        "per_seed": {
+            "seeds": seeds,
+            "horizons": [8, 32],
+            "clean": {
+                "block_px": rows,
+                "agent_px": [[0.3, 0.3] for _ in seeds],
+                "psnr": [[30.0, 28.0] for _ in seeds],
+                "block_t_shape": [(shapes or {}).get(s, [True, True]) for s in seeds],
+            },
+        },
+    }
+
+
+def write(tmp_path: Path, name: str, report: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(report))
+    return str(path)
+
+
+def brute_sign_test(wins: int, losses: int) -> float:
+    """The two-sided exact test by enumeration: of all 2**n ways the n decided pairs can
+    split, the share whose split is no likelier than the one observed."""
+    n = wins + losses
+    ways = [0] * (n + 1)  # ways[k]: outcomes in which the first side wins k pairs
+    for outcome in itertools.product((0, 1), repeat=n):
+        ways[sum(outcome)] += 1
+    return sum(w for w in ways if w <= ways[wins]) / 2**n
+
+
+@pytest.mark.parametrize("wins,losses", [(0, 0), (5, 0), (0, 5), (3, 3), (7, 2), (1, 9), (6, 5)])
+def test_sign_test_is_the_exact_two_sided_binomial_test(wins, losses):
+    assert sign_test(wins, losses) == pytest.approx(min(1.0, brute_sign_test(wins, losses)))
+
+
+def test_sign_test_values_the_docs_quote():
+    # 39 goals only one way, 25 only the other (docs/planning.md): p = 0.10.
+    assert sign_test(39, 25) == pytest.approx(0.1034, abs=1e-4)
+    assert sign_test(25, 39) == sign_test(39, 25)
+
+
+def test_bootstrap_interval_holds_the_mean_and_narrows_with_more_seeds():
+    rng = np.random.default_rng(1)
+    few, many = rng.normal(1.0, 1.0, 20), rng.normal(1.0, 1.0, 500)
+    low_f, high_f = bootstrap_interval(few, 2000, 0)
+    low_m, high_m = bootstrap_interval(many, 2000, 0)
+    assert low_f < few.mean() < high_f and low_m < many.mean() < high_m
+    assert high_m - low_m < (high_f - low_f) / 2
+    assert bootstrap_interval(np.full(10, 0.5), 500, 0) == pytest.approx((0.5, 0.5))
+    assert all(math.isnan(v) for v in bootstrap_interval(np.array([1.0]), 500, 0))
+
+
+def test_plans_are_paired_by_seed_across_split_reports(tmp_path, capsys):
+    # A reaches seeds 0-5, B reaches 2-9: 4 both, 2 A only, 4 B only; seed 10 only in A.
+    a = [
+        write(tmp_path, "a-0-4.json", plan_report({s: s <= 5 for s in range(5)})),
+        write(tmp_path, "a-5-10.json", plan_report({s: s <= 5 for s in range(5, 11)})),
+    ]
+    b = write(tmp_path, "b.json", plan_report({s: s >= 2 for s in range(10)}, weights="r17.safetensors"))
+    result = compare(load_side(",".join(a)), load_side(b))
+    assert result["seeds"] == 10 and result["unpaired_seeds"] == {"only_a": 1, "only_b": 0}
+    assert (result["success_a"], result["success_b"], result["both"], result["neither"]) == (6, 8, 4, 0)
+    assert result["only_a"] == [0, 1] and result["only_b"] == [6, 7, 8, 9]
+    assert result["p"] == pytest.approx(sign_test(4, 2))
+    assert result["steps_difference_when_both"] == 0.0
+    # The same through the command line, with a glob for A, and the JSON it writes.
+    out = tmp_path / "cmp.json"
+    assert main(["compare", str(tmp_path / "a-*.json"), b, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| of 10 | 6 (60%) | 8 (80%) | 4 | 2 | 4 | 0 |" in text
+    assert "left out: 1 only in A, 0 only in B" in text and "(2 reports)" in text
+    assert json.loads(out.read_text())["only_b"] == [6, 7, 8, 9]
+
+
+def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path):
+    # B places the block 1 px better at h=32 on seeds 0-2, worse on 3; seed 4's block is lost by B.
+    a = prediction_report({0: [1.0, 5.0], 1: [1.0, 6.0], 2: [2.0, 4.0], 3: [1.0, 3.0], 4: [1.0, 4.0]})
+    b = prediction_report(
+        {0: [1.0, 4.0], 1: [1.0, 5.0], 2: [2.0, 3.0], 3: [1.0, 5.0], 4: [1.0, None]},
+        shapes={0: [True, False], 1: [True, False], 2: [True, False]},
+        weights="r17.safetensors",
+    )
+    result = compare(load_side(write(tmp_path, "a.json", a)), load_side(write(tmp_path, "b.json", b)))
+    assert result["horizons"] == [8, 32]
+    h8, h32 = result["modes"]["clean"]["block_px"]
+    assert h8["difference"] == 0.0 and (h8["b_better"], h8["a_better"], h8["p"]) == (0, 0, 1.0)
+    assert h32["seeds"] == 4 and h32["missing"] == 1
+    assert h32["mean_a"] == pytest.approx(4.5) and h32["mean_b"] == pytest.approx(4.25)
+    assert h32["difference"] == pytest.approx(-0.25)
+    assert (h32["b_better"], h32["a_better"]) == (3, 1) and h32["p"] == pytest.approx(sign_test(3, 1))
+    low, high = h32["interval"]
+    assert low <= -0.25 <= high
+    # A T kept is better: B lost the T on three seeds at h=32.
+    shape32 = result["modes"]["clean"]["block_t_shape"][1]
+    assert (shape32["mean_a"], shape32["mean_b"], shape32["b_better"], shape32["a_better"]) == (
+        1.0,
+        0.4,
+        0,
+        3,
+    )
+    table = format_comparison(result)
+    assert (
+        "| clean | block error (px) | 32 | 4.50 | 4.25 | -0.25 (" in table
+        and "3 / 1, 1 seeds lost |" in table
+    )
+    assert "| clean | block is a T (share) | 32 | 1.00 | 0.40 |" in table
+
+
+def test_reports_that_cannot_be_compared_are_refused(tmp_path):
+    plan = write(tmp_path, "plan.json", plan_report({0: True}))
+    prediction = write(tmp_path, "pred.json", prediction_report({0: [1.0, 2.0]}))
+    cases = {
+        "a planning report with a prediction report": (plan, prediction, "cannot compare"),
+        "another goal": (
+            plan,
+            write(tmp_path, "g.json", plan_report({0: True}, goal_steps=10)),
+            "goal_steps",
+        ),
+        "one side mixing searches": (
+            plan + "," + write(tmp_path, "s.json", plan_report({1: True}, cem={**CEM, "samples": 32})),
+            plan,
+            "one side must be one evaluation",
+        ),
+        "a seed twice in one side": (plan + "," + plan, plan, "seed 0 appears twice"),
+        "no shared seed": (plan, write(tmp_path, "o.json", plan_report({5: True})), "share no seed"),
+    }
+    for why, (a, b, message) in cases.items():
+        with pytest.raises(CompareError, match=message):
+            compare(load_side(a), load_side(b))
+        assert main(["compare", a, b]) == 2, why
+
+
+def test_files_that_are_not_reports_are_refused_with_the_reason(tmp_path, capsys):
+    old = prediction_report({0: [1.0, 2.0]})
+    del old["per_seed"]
+    (tmp_path / "text.json").write_text("not json")
+    cases = {
+        str(tmp_path / "missing.json"): "no such file",
+        str(tmp_path / "none-*.json"): "no file matches",
+        write(tmp_path, "old.json", old): "without per-seed results",
+        str(tmp_path / "text.json"): "not JSON",
+        write(tmp_path, "list.json", [1, 2]): "a JSON object",
+        write(tmp_path, "other.json", {"summary": {}}): "neither a planning nor a prediction report",
+        ",": "names no report",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(CompareError, match=message):
+            load_side(spec)
+        assert main(["compare", spec, spec]) == 2
+        assert message.split()[0] in capsys.readouterr().err
+    many = ",".join([str(tmp_path / "text.json")] * (MAX_REPORTS + 1))
+    with pytest.raises(CompareError, match=f"at most {MAX_REPORTS}"):
+        load_side(many)
+    assert main(["compare", str(tmp_path / "x"), str(tmp_path / "y"), "--resamples", "5"]) == 2
+    assert (
+        main(["compare", str(tmp_path / "x"), str(tmp_path / "y"), "--json", str(tmp_path / "no/x.json")])
+        == 2
+    )

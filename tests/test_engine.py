@@ -193,6 +193,28 @@ def test_dit_batches_hold_units_of_one_context_length(tiny_model, monkeypatch):
     assert any(len(b) > 2 and b[0] == window for b in batches)  # chunks past the window batch together
 
 
+def test_the_last_chunk_of_a_clean_stream_commits_no_kv(tiny_model):
+    """In clean mode every chunk but a stream's last runs a commit pass: no later chunk
+    reads the last one's K/V. Its frames still equal the reference's."""
+    from dataclasses import replace
+
+    from streamworld.engine import generate_all_sync, offline_config
+
+    units = []
+    requests = [StreamRequest(seed=s, num_chunks=3, kv_mode="clean") for s in (1, 2)]
+    config = replace(offline_config(2), fault_hook=units.append)
+    results = generate_all_sync(tiny_model, requests, config)
+    commits = sorted((u.stream, u.chunk) for u in units if u.phase == COMMIT and u.stage == 0)
+    streams = sorted({u.stream for u in units})
+    assert len(streams) == 2 and commits == [(s, c) for s in streams for c in (0, 1)]
+    steps = [u for u in units if u.phase == 0 and u.stage == 0 and u.chunk == 2]
+    assert len(steps) == 2  # the last chunks ran
+    for request, frames in zip(requests, results, strict=True):
+        expected = reference(tiny_model, request.seed, 3, "", "clean").frames
+        assert frames.shape == expected.shape  # batched, the frames may differ by rounding
+        assert np.abs(frames.astype(int) - expected.astype(int)).max() <= 2
+
+
 def test_offline_generation_raises_a_failed_stream_and_queues_past_the_pool(tiny_model):
     """A stream that fails raises its error instead of coming back short; more streams
     than the K/V pool holds wait their turn instead of being refused."""

@@ -9,6 +9,10 @@ The first-image prefill runs as chunk -1 with the single phase PREFILL.
     final   S               1         v0            v0 (k = S-1)    none
     noisy   S               S         vk            vk              none
 
+A stream's last chunk is read by no later chunk, so in `clean` mode it skips its commit
+pass (S forwards): the pass writes K/V only, never frames. A stream that has started its
+last chunk can no longer be forked, so nothing else reads that K/V either.
+
 A unit `(chunk c, phase, stage g)` may run once chunk c-1 has written, at stage g, the
 version it reads (`context_dependency`): in `noisy` mode that is c-1's step k, so chunk c
 can run step k while chunk c-1 runs step k+1 (the diagonal pipeline).
@@ -25,9 +29,10 @@ PREFILL = -2  # phase of the first-image prefill (chunk -1)
 PREFILL_CHUNK = -1
 
 
-def chunk_phases(kv_mode: str, num_steps: int) -> list[int]:
-    """Phases of a generated chunk in execution order."""
-    return list(range(num_steps)) + ([COMMIT] if kv_mode == "clean" else [])
+def chunk_phases(kv_mode: str, num_steps: int, read_later: bool = True) -> list[int]:
+    """Phases of a generated chunk in execution order; a chunk that no later chunk reads
+    (`read_later` False: its stream's last) has no commit pass."""
+    return list(range(num_steps)) + ([COMMIT] if kv_mode == "clean" and read_later else [])
 
 
 def unit_index(phases: list[int], phase: int, stage: int, num_stages: int) -> int:

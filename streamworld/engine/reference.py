@@ -10,7 +10,8 @@ Per chunk c (latent frames f0 .. f0+F-1, f0 = c*F, plus 1 when a first image was
         if k > 0: x = (1 - sigma_k) * x0 + sigma_k * noise(seed, c, k)
         v = DiT(x, t_k, context = KV version read by step k)   # may write K/V (kv mode)
         x0 = x - sigma_k * v
-    clean mode: DiT(x0, t = context_timestep) writes the chunk's clean K/V (commit pass)
+    clean mode: DiT(x0, t = context_timestep) writes the chunk's clean K/V (commit pass),
+        except for the last chunk, which no later chunk reads
     frames = causal VAE decode of x0 (per-stream decoder cache)
 """
 
@@ -193,7 +194,8 @@ class ReferenceGenerator:
             seed = req.seed_changes.get(c, seed)
             first = offset + c * fpc
             true = None if truth is None else truth[:, c * fpc : (c + 1) * fpc]
-            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions, true, last)
+            read_later = c < req.num_chunks - 1  # the last chunk's K/V is never read
+            x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions, true, last, read_later)
             last = (x0 if true is None else true)[:, -1:]
             cache.evict(first + fpc)
             video = self._decode(x0, decoder)
@@ -217,10 +219,12 @@ class ReferenceGenerator:
         actions: torch.Tensor | None,
         context: torch.Tensor | None = None,
         last: torch.Tensor | None = None,
+        read_later: bool = True,
     ) -> torch.Tensor:
         """Clean latents x0 [C, F, h, w] of one chunk; writes its K/V as the mode says (a
-        `clean` commit from `context` instead of x0 where given: teacher forcing). `last` is
-        the latent frame before the chunk, which a "delta" output is relative to."""
+        `clean` commit from `context` instead of x0 where given: teacher forcing), except
+        the commit of a chunk that no later chunk reads (`read_later` False). `last` is the
+        latent frame before the chunk, which a "delta" output is relative to."""
         model, cfg = self.model, self.model.config
         sched = model.schedule
         fpc = cfg.latent_frames_per_chunk
@@ -243,7 +247,7 @@ class ReferenceGenerator:
             flow = forward(x, sched.timesteps[k], step_kv_access(kv_mode, k, sched.num_steps))
             x0 = sched.x0_from_flow(x, flow, k, last)
         commit = commit_kv_access(kv_mode)
-        if commit is not None:
+        if commit is not None and read_later:
             forward(x0 if context is None else context, cfg.context_timestep, commit)
         return x0
 

@@ -117,9 +117,10 @@ class Scheduler:
                 if now < start_at:
                     next_time = start_at if next_time is None else min(next_time, start_at)
                     break
-                started.append(
-                    (stream, stream.start_chunk(chunk_phases(stream.kv_mode, self.num_steps), now))
+                phases = chunk_phases(
+                    stream.kv_mode, self.num_steps, read_later=not stream.starts_last_chunk()
                 )
+                started.append((stream, stream.start_chunk(phases, now)))
         return started, next_time
 
     def _may_start(self, stream: Stream) -> bool:

@@ -248,6 +248,11 @@ class Stream:
         n = self.request.num_chunks
         return n is None or self.next_chunk < n
 
+    def starts_last_chunk(self) -> bool:
+        """Is the next chunk the stream's last (its `num_chunks` known)?"""
+        n = self.request.num_chunks
+        return n is not None and self.next_chunk == n - 1
+
     def finished_generating(self) -> bool:
         n = self.request.num_chunks
         return n is not None and self.delivered >= n

@@ -13,6 +13,7 @@ time) and the host functions that take the most time, so the figure can be read 
 the GPU's own limit: a busy share well below 1 means the host, not the GPU, sets the pace.
 
     python benchmarks/plan_throughput.py --json plan_throughput.json
+    python benchmarks/plan_throughput.py --model pusht-delta --steps 1000 --kv-mode clean  # as planned
     python benchmarks/plan_throughput.py --device cuda --cuda-graphs --branches 16,48,128 --profile
 """
 
@@ -25,11 +26,14 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import numpy as np
 import torch
 
+from streamworld.cli.errors import UsageError
+from streamworld.cli.loading import parse_steps
 from streamworld.engine import AsyncEngine
 from streamworld.models import get_preset
 from streamworld.models.world_model import WeightPaths, WorldModel
@@ -119,8 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", help="float32 (as eval pusht) or bfloat16")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the DiT from CUDA graphs")
-    p.add_argument("--dit", help="PushT DiT weights (default: the shipped ones)")
+    p.add_argument(
+        "--model", default="pusht", choices=("pusht", "pusht-delta"), help="the model (default pusht)"
+    )
+    p.add_argument("--dit", help="PushT DiT weights (default: the model's shipped ones)")
     p.add_argument("--kv-mode", help="the streams' KV mode (default: the model's, final)")
+    p.add_argument(
+        "--steps", metavar="T,T,...", help="denoising timesteps, e.g. 1000 (default: the preset's)"
+    )
     p.add_argument("--branches", default="16", help="fork sizes, comma-separated (default 16)")
     p.add_argument("--horizon", type=int, default=24, help="frames per branch (default 24)")
     p.add_argument("--repeats", type=int, default=5, help="timed forks per size (default 5)")
@@ -136,11 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--branches, --horizon and --repeats must be at least 1, --warmup at least 0")
     if args.cuda_graphs and not args.device.startswith("cuda"):
         p.error("--cuda-graphs needs a CUDA --device")
-    config = get_preset("pusht")
+    config = get_preset(args.model)
     if args.kv_mode:
-        from dataclasses import replace
-
         config = replace(config, default_kv_mode=args.kv_mode)
+    if args.steps:
+        try:
+            config = replace(config, denoising_steps=parse_steps(args.steps))
+        except UsageError as e:
+            p.error(str(e))
     model = WorldModel.load(config, WeightPaths(dit=args.dit), device=args.device, dtype=args.dtype)
     rows = asyncio.run(measure(model, args))
     report = {
@@ -152,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         "python": sys.version.split()[0],
         "dtype": args.dtype,
         "cuda_graphs": args.cuda_graphs,
+        "model": args.model,
         "weights": args.dit or "shipped",
         "kv_mode": model.config.default_kv_mode,
+        "timesteps": list(model.config.denoising_steps),
         "horizon": args.horizon,
         "repeats": args.repeats,
         "rows": rows,

@@ -783,6 +783,25 @@ def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
         assert row["frames_per_s"] == pytest.approx(row["branches"] * 4 / row["fork_s"], rel=0.01)
     bad = _benchmark(*cmd, "--branches", "2,x")
     assert bad.returncode == 2 and "comma-separated integers" in bad.stderr
+    # The delta model with one step in clean mode, as the best planning setting serves it.
+    args = [
+        "--model",
+        "pusht-delta",
+        "--steps",
+        "1000",
+        "--kv-mode",
+        "clean",
+        "--branches",
+        "2",
+        "--warmup",
+        "0",
+    ]
+    done = _benchmark(*cmd, *args, "--json", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report["model"], report["kv_mode"], report["timesteps"]) == ("pusht-delta", "clean", [1000.0])
+    bad = _benchmark(*cmd, "--steps", "250,1000")
+    assert bad.returncode == 2 and "--steps must decrease" in bad.stderr
 
 
 def _load_benchmark(name: str):

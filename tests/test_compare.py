@@ -12,6 +12,7 @@ import pytest
 
 from streamworld.cli import main
 from streamworld.pusht.compare import (
+    MAX_REPORT_BYTES,
     MAX_REPORTS,
     CompareError,
     bootstrap_interval,
@@ -198,6 +199,13 @@ def test_files_that_are_not_reports_are_refused_with_the_reason(tmp_path, capsys
             load_side(spec)
         assert main(["compare", spec, spec]) == 2
         assert message.split()[0] in capsys.readouterr().err
+    big = tmp_path / "big.json"
+    with big.open("wb") as f:  # sparse: no disk is spent
+        f.truncate(MAX_REPORT_BYTES + 1)
+    with pytest.raises(CompareError, match="larger than 16 MiB"):
+        load_side(str(big))
+    with pytest.raises(CompareError, match="MiB of reports, at most 128 MiB a side"):
+        load_side(",".join([str(big)] * 9))
     many = ",".join([str(tmp_path / "text.json")] * (MAX_REPORTS + 1))
     with pytest.raises(CompareError, match=f"at most {MAX_REPORTS}"):
         load_side(many)

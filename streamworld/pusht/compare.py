@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-# What bounds reading a side: its reports, and each report's size.
+# What bounds reading a side: its reports, each report's size, and their sizes together.
 MAX_REPORTS = 256
-MAX_REPORT_BYTES = 64 << 20
+MAX_REPORT_BYTES = 16 << 20
+MAX_SIDE_BYTES = 128 << 20
 
 # The settings that make reports of one side the same evaluation, and those both sides must
 # share for their seeds to be the same tasks.
@@ -93,6 +94,9 @@ def expand(spec: str) -> list[Path]:
         raise CompareError(f"{spec!r} names no report")
     if len(paths) > MAX_REPORTS:
         raise CompareError(f"{spec}: {len(paths)} reports, at most {MAX_REPORTS} a side")
+    total = sum(p.stat().st_size for p in paths if p.is_file())
+    if total > MAX_SIDE_BYTES:
+        raise CompareError(f"{spec}: {total >> 20} MiB of reports, at most {MAX_SIDE_BYTES >> 20} MiB a side")
     return paths
 
 

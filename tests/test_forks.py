@@ -190,6 +190,58 @@ async def test_bad_forks_are_refused_with_the_reason():
     assert engine.pool.reserved == 0 and engine.pool.pages_used == 0
 
 
+async def test_a_stream_that_has_started_its_last_chunk_cannot_fork():
+    """Its last chunk's K/V is never committed (no later chunk reads it), so nothing may
+    branch after it."""
+    model = action_model()
+    image, (actions, *_) = inputs(6)
+    async with AsyncEngine(model, engine_config()) as engine:
+        stream = engine.open_stream(StreamRequest(seed=0, num_chunks=2, image=image, actions=actions))
+        await stream.__anext__()
+        assert stream.stream.next_chunk == 2  # the last chunk has started
+        with pytest.raises(ValueError, match="has started all its chunks: nothing is left to fork from"):
+            engine.fork(stream.id, [BranchRequest(1)])
+        await collect(stream)
+    assert engine.pool.reserved == 0 and engine.pool.pages_used == 0
+
+
+async def test_stopping_a_stream_whose_fork_is_pending_branches_after_its_last_commit():
+    """A fork asked while the stream's last chunk is delivered but its commit pass has not
+    run, then a stop: the stream completes, and its branch starts only once that commit has
+    written the K/V the branch reads. The branch equals the reference."""
+    from streamworld.engine.kv_modes import COMMIT
+
+    model = action_model()
+    image, (parent_actions, branch_actions, _) = inputs(7)
+    async with AsyncEngine(model, engine_config()) as engine:
+        held = {"commit": True}
+        ready_units = engine.scheduler.ready_units
+
+        def hold_first_commit(streams, rank):  # chunk 0's commit waits until the test lets it go
+            units = ready_units(streams, rank)
+            if held["commit"]:
+                units = [u for u in units if not (u.unit.phase == COMMIT and u.unit.chunk == 0)]
+            return units
+
+        engine.scheduler.ready_units = hold_first_commit
+        request = StreamRequest(seed=3, image=image, actions=parent_actions, kv_mode="clean")
+        parent = engine.open_stream(request)
+        first = await parent.__anext__()
+        assert first.index == 0 and 0 in parent.stream.chunks  # delivered, its commit not yet run
+        branches = engine.fork(parent.id, [BranchRequest(2, actions=branch_actions)])
+        parent.stop()
+        held["commit"] = False
+        engine._poke()
+        outputs = await collect(branches[0])
+        assert await collect(parent) == [] and parent.status == "completed"
+        assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
+    assert [o.index for o in outputs] == [1, 2]
+    video_start = parent.stream.chunk_video_start(1)
+    fed = np.concatenate([parent_actions[: video_start - 1], branch_actions])
+    reference = GenerationRequest(3, 3, image=image, actions=fed, kv_mode="clean")
+    assert_equal_to(outputs, *reference_chunks(reference, 1, 2))
+
+
 @pytest.mark.parametrize("seed", range(100))
 def test_random_forks_evictions_and_releases_free_every_page_exactly_once(seed):
     """Page tables forked, written, evicted and released in a random order: a page is free

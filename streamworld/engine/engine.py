@@ -598,16 +598,23 @@ class AsyncEngine:
         if chunk.retirable(len(self.stages)):
             stream.chunks.pop(chunk.index, None)
             self.runner.drop_chunk(stream.id, chunk.index)
+            if stream.pending_fork is not None:  # its completion may have waited for this
+                self._maybe_complete(stream)
 
     def _maybe_complete(self, stream: Stream) -> None:
-        if stream.live and stream.finished_generating():
-            self._end(stream, "completed", "stopped" if stream.stopping else "completed")
+        if not (stream.live and stream.finished_generating()):
+            return
+        if stream.pending_fork is not None and stream.chunks:
+            # Delivered, but a chunk's last units (a commit pass) still run: the branches
+            # read what they write, so the stream completes when they retire.
+            return
+        self._end(stream, "completed", "stopped" if stream.stopping else "completed")
 
     # --- ending streams -----------------------------------------------------------------------
     def _end(self, stream: Stream, status: str, reason: str, error: str | None = None) -> None:
         fork = stream.pending_fork
         if fork is not None:  # a stream that completes is between chunks: its branches go on
-            if status == "completed" and stream.next_decode == stream.next_chunk:
+            if status == "completed" and stream.next_decode == stream.next_chunk and not stream.chunks:
                 self._branch(stream)
             else:
                 stream.pending_fork = None

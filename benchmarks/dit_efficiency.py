@@ -211,7 +211,9 @@ def run(args: argparse.Namespace) -> dict:
     timer = ForwardTimer(model.dit)
     fpc = cfg.latent_frames_per_chunk
     fill = math.ceil((args.sink + args.window) / fpc) + 1  # chunks until the window is full
-    request = GenerationRequest(seed=0, num_chunks=fill + args.chunks, prompt="a walk", kv_mode=args.kv_mode)
+    request = GenerationRequest(
+        seed=0, num_chunks=fill + args.chunks, prompt="a walk", kv_mode=args.kv_mode, open_ended=True
+    )
 
     # Warm-up run (kernel selection, allocator), then the measured one.
     gen.generate(dataclasses.replace(request, num_chunks=fill + 1))

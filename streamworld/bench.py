@@ -463,6 +463,7 @@ def _baseline_phase(model: WorldModel, cfg: BenchConfig, chunks_per_stream: int)
                     num_chunks=chunks_per_stream,
                     prompt=_prompt(model, cfg),
                     kv_mode=mode,
+                    open_ended=True,  # as the engine's measured streams are: every chunk commits
                     **_inputs(model, i),
                 )
             )

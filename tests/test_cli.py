@@ -139,6 +139,37 @@ def test_module_entry_point_and_models_listing():
     assert "--kv-mode" in help_text and "--random-weights" in help_text
 
 
+def test_bench_baseline_commits_every_chunk_like_the_engines_open_ended_streams(monkeypatch):
+    """The engine's measured streams never end, so each of their chunks commits its K/V in
+    clean mode; the baseline's streams go on likewise (`open_ended`), not skipping the
+    last chunk's commit pass as a stream of known length does."""
+    from streamworld.engine.reference import ReferenceGenerator
+
+    seen = []
+    generate = ReferenceGenerator.generate
+
+    def spied(self, request):
+        seen.append(request)
+        return generate(self, request)
+
+    monkeypatch.setattr(ReferenceGenerator, "generate", spied)
+    args = [
+        "bench",
+        "--model",
+        "tiny-wan",
+        "--streams",
+        "1",
+        "--duration",
+        "1",
+        "--unpaced",
+        "--kv-mode",
+        "clean",
+    ]
+    assert main(args) == 0
+    measured = seen[1:]  # after the warm-up
+    assert measured and all(r.open_ended and r.kv_mode == "clean" for r in measured)
+
+
 def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1", "--unpaced"]

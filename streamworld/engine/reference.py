@@ -123,6 +123,9 @@ class GenerationRequest:
     # In `clean` mode each chunk's K/V is then committed from these instead of the chunk's
     # prediction, so every chunk is predicted one chunk ahead of the true past.
     context_latents: torch.Tensor | None = None
+    # The stream goes on after `num_chunks`, as a live stream of unknown length does: its
+    # last chunk commits its K/V too (a like-for-like baseline for an open-ended stream).
+    open_ended: bool = False
 
 
 @dataclass
@@ -194,7 +197,7 @@ class ReferenceGenerator:
             seed = req.seed_changes.get(c, seed)
             first = offset + c * fpc
             true = None if truth is None else truth[:, c * fpc : (c + 1) * fpc]
-            read_later = c < req.num_chunks - 1  # the last chunk's K/V is never read
+            read_later = req.open_ended or c < req.num_chunks - 1  # else the last K/V is never read
             x0 = self.denoise_chunk(seed, c, first, text, cache, kv_mode, actions, true, last, read_later)
             last = (x0 if true is None else true)[:, -1:]
             cache.evict(first + fpc)

@@ -25,8 +25,9 @@ from streamworld.pusht.compare import (
 CEM = {"horizon": 24, "samples": 16, "elites": 4, "iterations": 3}
 
 
-def plan_report(successes: dict[int, bool], **settings) -> dict:
-    """A planning report as `eval --plan` writes it, with the fields compare reads."""
+def plan_report(successes: dict[int, bool], steps: int = 20, **settings) -> dict:
+    """A planning report as `eval --plan` writes it, with the fields compare reads; a goal
+    reached takes `steps` steps."""
     return {
         "model": "pusht-delta",
         "weights": "shipped",
@@ -35,31 +36,35 @@ def plan_report(successes: dict[int, bool], **settings) -> dict:
         "cem": CEM,
         **settings,
         "summary": {"episodes": len(successes)},
-        "episodes": [{"seed": s, "success": ok, "steps": 20 if ok else 50} for s, ok in successes.items()],
+        "episodes": [{"seed": s, "success": ok, "steps": steps if ok else 50} for s, ok in successes.items()],
     }
 
 
-def prediction_report(block: dict[int, list], shapes: dict[int, list] | None = None, **settings) -> dict:
-    """A prediction report with per-seed results for one KV mode (clean), horizons 8 and 32."""
+def prediction_report(
+    block: dict[int, list],
+    shapes: dict[int, list] | None = None,
+    horizons: tuple[int, ...] = (8, 32),
+    modes: tuple[str, ...] = ("clean",),
+    **settings,
+) -> dict:
+    """A prediction report with per-seed results for each of `modes` (the same values in
+    each), at `horizons` (8 and 32 by default)."""
     seeds = list(block)
-    rows = [block[s] for s in seeds]
+    n = len(horizons)
+    rows = {
+        "block_px": [block[s] for s in seeds],
+        "agent_px": [[0.3] * n for _ in seeds],
+        "psnr": [[30.0] * n for _ in seeds],
+        "block_t_shape": [(shapes or {}).get(s, [True] * n) for s in seeds],
+    }
     return {
         "model": "pusht-delta",
         "weights": "shipped",
         "horizon": 32,
         "frame_size": 64,
         **settings,
-        "modes": {"clean": {}},
-        "per_seed": {
-            "seeds": seeds,
-            "horizons": [8, 32],
-            "clean": {
-                "block_px": rows,
-                "agent_px": [[0.3, 0.3] for _ in seeds],
-                "psnr": [[30.0, 28.0] for _ in seeds],
-                "block_t_shape": [(shapes or {}).get(s, [True, True]) for s in seeds],
-            },
-        },
+        "modes": {m: {} for m in modes},
+        "per_seed": {"seeds": seeds, "horizons": list(horizons), **{m: rows for m in modes}},
     }
 
 
@@ -107,19 +112,22 @@ def test_plans_are_paired_by_seed_across_split_reports(tmp_path, capsys):
         write(tmp_path, "a-0-4.json", plan_report({s: s <= 5 for s in range(5)})),
         write(tmp_path, "a-5-10.json", plan_report({s: s <= 5 for s in range(5, 11)})),
     ]
-    b = write(tmp_path, "b.json", plan_report({s: s >= 2 for s in range(10)}, weights="r17.safetensors"))
+    b = write(
+        tmp_path, "b.json", plan_report({s: s >= 2 for s in range(10)}, steps=25, weights="r17.safetensors")
+    )
     result = compare(load_side(",".join(a)), load_side(b))
     assert result["seeds"] == 10 and result["unpaired_seeds"] == {"only_a": 1, "only_b": 0}
     assert (result["success_a"], result["success_b"], result["both"], result["neither"]) == (6, 8, 4, 0)
     assert result["only_a"] == [0, 1] and result["only_b"] == [6, 7, 8, 9]
     assert result["p"] == pytest.approx(sign_test(4, 2))
-    assert result["steps_difference_when_both"] == 0.0
+    assert result["steps_difference_when_both"] == 5.0  # B took 25 steps where A took 20
     # The same through the command line, with a glob for A, and the JSON it writes.
     out = tmp_path / "cmp.json"
     assert main(["compare", str(tmp_path / "a-*.json"), b, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| of 10 | 6 (60%) | 8 (80%) | 4 | 2 | 4 | 0 |" in text
     assert "left out: 1 only in A, 0 only in B" in text and "(2 reports)" in text
+    assert "over the goals both reached: +5.0" in text
     assert json.loads(out.read_text())["only_b"] == [6, 7, 8, 9]
 
 
@@ -135,7 +143,8 @@ def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path
     assert result["horizons"] == [8, 32]
     h8, h32 = result["modes"]["clean"]["block_px"]
     assert h8["difference"] == 0.0 and (h8["b_better"], h8["a_better"], h8["p"]) == (0, 0, 1.0)
-    assert h32["seeds"] == 4 and h32["missing"] == 1
+    assert h32["seeds"] == 4 and h32["missing"] == {"a_only": 0, "b_only": 1, "both": 0}
+    assert h32["missing_p"] == sign_test(0, 1)
     assert h32["mean_a"] == pytest.approx(4.5) and h32["mean_b"] == pytest.approx(4.25)
     assert h32["difference"] == pytest.approx(-0.25)
     assert (h32["b_better"], h32["a_better"]) == (3, 1) and h32["p"] == pytest.approx(sign_test(3, 1))
@@ -150,10 +159,8 @@ def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path
         3,
     )
     table = format_comparison(result)
-    assert (
-        "| clean | block error (px) | 32 | 4.50 | 4.25 | -0.25 (" in table
-        and "3 / 1, 1 seeds lost |" in table
-    )
+    assert "| clean | block error (px) | 32 | 4.50 | 4.25 | -0.25 (" in table
+    assert "| 3 / 1 | 0.625 | 0 / 1 (1.000) |" in table  # B better on 3 seeds, A on 1; B lost a block
     assert "| clean | block is a T (share) | 32 | 1.00 | 0.40 |" in table
 
 
@@ -174,6 +181,30 @@ def test_reports_that_cannot_be_compared_are_refused(tmp_path):
         ),
         "a seed twice in one side": (plan + "," + plan, plan, "seed 0 appears twice"),
         "no shared seed": (plan, write(tmp_path, "o.json", plan_report({5: True})), "share no seed"),
+        "one side mixing KV modes": (
+            prediction
+            + ","
+            + write(tmp_path, "m.json", prediction_report({1: [1.0, 2.0]}, modes=("final",))),
+            prediction,
+            "modes is",
+        ),
+        "one side mixing horizons": (
+            prediction
+            + ","
+            + write(tmp_path, "h.json", prediction_report({1: [1.0, 2.0]}, horizons=(4, 32))),
+            prediction,
+            "per-seed horizons",
+        ),
+        "no shared KV mode": (
+            prediction,
+            write(tmp_path, "f.json", prediction_report({0: [1.0, 2.0]}, modes=("final",))),
+            "share no KV mode",
+        ),
+        "no shared horizon": (
+            prediction,
+            write(tmp_path, "n.json", prediction_report({0: [1.0, 2.0]}, horizons=(1, 2))),
+            "share no horizon",
+        ),
     }
     for why, (a, b, message) in cases.items():
         with pytest.raises(CompareError, match=message):
@@ -193,12 +224,18 @@ def test_files_that_are_not_reports_are_refused_with_the_reason(tmp_path, capsys
         write(tmp_path, "list.json", [1, 2]): "a JSON object",
         write(tmp_path, "other.json", {"summary": {}}): "neither a planning nor a prediction report",
         ",": "names no report",
+        write(
+            tmp_path, "short.json", prediction_report({0: [1.0]})
+        ): "misses seed 0's results at some horizon",
+        write(
+            tmp_path, "episode.json", {**plan_report({0: True}), "episodes": [{"seed": 0, "success": True}]}
+        ): ("an episode without an integer seed, a success flag and its steps"),
     }
     for spec, message in cases.items():
         with pytest.raises(CompareError, match=message):
             load_side(spec)
         assert main(["compare", spec, spec]) == 2
-        assert message.split()[0] in capsys.readouterr().err
+        assert message in capsys.readouterr().err
     big = tmp_path / "big.json"
     with big.open("wb") as f:  # sparse: no disk is spent
         f.truncate(MAX_REPORT_BYTES + 1)
@@ -209,8 +246,43 @@ def test_files_that_are_not_reports_are_refused_with_the_reason(tmp_path, capsys
     many = ",".join([str(tmp_path / "text.json")] * (MAX_REPORTS + 1))
     with pytest.raises(CompareError, match=f"at most {MAX_REPORTS}"):
         load_side(many)
-    assert main(["compare", str(tmp_path / "x"), str(tmp_path / "y"), "--resamples", "5"]) == 2
-    assert (
-        main(["compare", str(tmp_path / "x"), str(tmp_path / "y"), "--json", str(tmp_path / "no/x.json")])
-        == 2
+    report = write(tmp_path, "plan.json", plan_report({0: True}))
+    assert main(["compare", report, report, "--resamples", "5"]) == 2
+    assert "--resamples must be between 100 and 100000" in capsys.readouterr().err
+    assert main(["compare", report, report, "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "--json: folder" in capsys.readouterr().err
+    assert main(["compare", report, report, "--resamples", "100"]) == 0  # the same reports compare
+
+
+def test_predictions_pair_horizons_by_value_and_say_what_was_left_out(tmp_path, capsys):
+    """B has one more horizon and one more KV mode than A: values are paired by horizon, not
+    by position, and the output names what only one side has. A non-finite value counts as
+    a missing one."""
+    a = prediction_report({0: [1.0, 4.0], 1: [2.0, float("nan")]})  # horizons 8, 32
+    b = prediction_report(
+        {0: [1.5, 9.0, 3.0], 1: [2.5, 9.0, 5.0]}, horizons=(8, 16, 32), modes=("clean", "final")
     )
+    pa, pb = write(tmp_path, "a.json", a), write(tmp_path, "b.json", b)
+    result = compare(load_side(pa), load_side(pb))
+    assert result["horizons"] == [8, 32] and list(result["modes"]) == ["clean"]
+    assert result["left_out"] == {
+        "modes_only_a": [],
+        "modes_only_b": ["final"],
+        "horizons_only_a": [],
+        "horizons_only_b": [16],
+    }
+    h8, h32 = result["modes"]["clean"]["block_px"]
+    assert (h8["mean_a"], h8["mean_b"], h8["difference"]) == (1.5, 2.0, 0.5)
+    assert (h32["mean_a"], h32["mean_b"], h32["seeds"]) == (4.0, 3.0, 1)  # seed 1's NaN left out
+    assert h32["missing"] == {"a_only": 1, "b_only": 0, "both": 0}
+    assert main(["compare", pa, pb]) == 0
+    text = capsys.readouterr().out
+    assert "left out, modes only in B: final" in text and "left out, horizons only in B: 16" in text
+
+
+def test_the_bootstrap_interval_is_drawn_in_blocks_the_same_way():
+    """Many seeds: the resamples are drawn in blocks, and the interval still holds the mean."""
+    rng = np.random.default_rng(3)
+    d = rng.normal(0.2, 1.0, 5000)
+    low, high = bootstrap_interval(d, 2000, 0)
+    assert low < d.mean() < high and high - low < 0.1

@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Planning reports (--plan): goals reached by both, by one only, and the exact two-sided "
             "sign test over the episodes only one side reached. Prediction reports: per KV mode and "
             "report horizon, each side's mean over the seeds where both sides found the object (the "
-            "others are counted), the mean difference B - A with its 95% bootstrap interval over the "
+            "others are counted by side, with the sign test of which side lost more), the mean "
+            "difference B - A with its 95% bootstrap interval over the "
             "seeds, how many seeds each side did better on, and the sign test of that split. A side "
             "may be several reports of one evaluation (a run split over seed ranges): give them "
             "separated by commas, or as a quoted glob pattern."
@@ -27,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=(
             "example: streamworld compare 'shipped-seeds*.json' 'round17-seeds*.json'. "
             "Seeds in only one side are left out and counted. Exit status 2 for reports that cannot "
-            "be compared (different kinds, different goal steps or budget, a seed twice in one side)."
+            "be compared (different kinds, different goal steps, budget or frame size, a seed twice in "
+            "one side, reports of one side that differ in what they evaluated)."
         ),
     )
     parser.add_argument(

@@ -5,7 +5,7 @@ step 1, ..., then (in `clean` mode) the commit pass; so a chunk's progress is on
 The first-image prefill runs as chunk -1 with the single phase PREFILL.
 
     mode    forwards/chunk  versions  step k reads  step k writes   commit pass
-    clean   S + 1           1         v0            nothing         reads v0, writes v0
+    clean   S + 1 (S last)  1         v0            nothing         reads v0, writes v0
     final   S               1         v0            v0 (k = S-1)    none
     noisy   S               S         vk            vk              none
 

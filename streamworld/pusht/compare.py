@@ -133,8 +133,10 @@ def load_side(spec: str) -> Side:
     for path in expand(spec):
         report = read_report(path)
         kind = report_kind(report, path)
-        names = PLAN_SETTINGS if kind == "plan" else PREDICTION_SETTINGS
+        names = PLAN_SETTINGS if kind == "plan" else (*PREDICTION_SETTINGS, "modes")
         settings = {k: report.get(k) for k in names}
+        if kind == "prediction":  # the predictors evaluated, not their means
+            settings["modes"] = sorted(report["modes"])
         if side is None:
             side = Side(kind, spec, [], settings, {}, [])
         elif kind != side.kind:
@@ -157,9 +159,14 @@ def load_side(spec: str) -> Side:
 
 def _merge_episodes(side: Side, report: dict, path: Path) -> None:
     for episode in report["episodes"]:
-        seed = episode.get("seed")
-        if not isinstance(seed, int) or not isinstance(episode.get("success"), bool):
-            raise CompareError(f"{path}: an episode without an integer seed and a success flag")
+        if (
+            not isinstance(episode, dict)
+            or not isinstance(episode.get("seed"), int)
+            or not isinstance(episode.get("success"), bool)
+            or _number(episode.get("steps")) is None
+        ):
+            raise CompareError(f"{path}: an episode without an integer seed, a success flag and its steps")
+        seed = episode["seed"]
         if seed in side.by_seed:
             raise CompareError(f"{path}: seed {seed} appears twice in one side")
         side.by_seed[seed] = episode
@@ -183,9 +190,21 @@ def _merge_per_seed(side: Side, report: dict, path: Path) -> None:
             if seed in table:
                 raise CompareError(f"{path}: seed {seed} appears twice in one side")
             try:
-                table[seed] = {metric: list(rows[metric][i]) for metric in HIGHER_IS_BETTER}
+                values = {metric: [_number(v) for v in rows[metric][i]] for metric in HIGHER_IS_BETTER}
             except (KeyError, IndexError, TypeError):
-                raise CompareError(f"{path}: per_seed of {mode} misses seed {seed}'s results") from None
+                values = None
+            if values is None or any(len(v) != len(horizons) for v in values.values()):
+                raise CompareError(f"{path}: per_seed of {mode} misses seed {seed}'s results at some horizon")
+            table[seed] = values
+
+
+def _number(value) -> float | None:
+    """A per-seed value as a float: None for a missing one (null, or not finite)."""
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def sign_test(wins: int, losses: int) -> float:
@@ -203,9 +222,12 @@ def bootstrap_interval(differences: np.ndarray, resamples: int, seed: int) -> tu
     if len(differences) < 2:
         return (math.nan, math.nan)
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(differences), size=(resamples, len(differences)))
-    means = differences[picks].mean(axis=1)
-    low, high = np.percentile(means, [2.5, 97.5])
+    n, means = len(differences), []
+    block = max(1, (1 << 22) // n)  # resamples drawn at once: about 32 MiB of indices
+    for start in range(0, resamples, block):
+        picks = rng.integers(0, n, size=(min(block, resamples - start), n))
+        means.append(differences[picks].mean(axis=1))
+    low, high = np.percentile(np.concatenate(means), [2.5, 97.5])
     return (float(low), float(high))
 
 
@@ -267,41 +289,51 @@ def _compare_predictions(a: Side, b: Side, horizons: list[int], resamples: int, 
         raise CompareError(
             f"the sides share no KV mode ({', '.join(a.by_seed)} against {', '.join(b.by_seed)})"
         )
+    # Within a side every mode holds the same seeds, so the first mode's pairing is every mode's.
+    seeds, unpaired = _paired_seeds(a.by_seed[modes[0]], b.by_seed[modes[0]])
     results: dict = {}
-    paired = None
     for mode in modes:
         ta, tb = a.by_seed[mode], b.by_seed[mode]
-        seeds, unpaired = _paired_seeds(ta, tb)
-        paired = (len(seeds), unpaired)
         results[mode] = {}
         for metric, higher in HIGHER_IS_BETTER.items():
             rows = []
             for h in horizons:
                 ia, ib = a.horizons.index(h), b.horizons.index(h)
-                rows.append(
-                    _paired_metric(
-                        [(ta[s][metric][ia], tb[s][metric][ib]) for s in seeds], higher, resamples, seed
-                    )
-                )
+                pairs = [(ta[s][metric][ia], tb[s][metric][ib]) for s in seeds]
+                rows.append(_paired_metric(pairs, higher, resamples, seed))
             results[mode][metric] = rows
-    assert paired is not None
-    return {"seeds": paired[0], "unpaired_seeds": paired[1], "horizons": horizons, "modes": results}
+    return {
+        "seeds": len(seeds),
+        "unpaired_seeds": unpaired,
+        "horizons": horizons,
+        "left_out": {
+            "modes_only_a": [m for m in a.by_seed if m not in b.by_seed],
+            "modes_only_b": [m for m in b.by_seed if m not in a.by_seed],
+            "horizons_only_a": [h for h in a.horizons if h not in horizons],
+            "horizons_only_b": [h for h in b.horizons if h not in horizons],
+        },
+        "modes": results,
+    }
 
 
 def _paired_metric(pairs: list[tuple], higher_is_better: bool, resamples: int, seed: int) -> dict:
     """One metric at one horizon over the seeds: means, the mean difference B - A with its
-    interval, and the sign test over the seeds that one side did better on. Seeds where
-    either side lost the object (null) are left out and counted."""
+    interval, and the sign test over the seeds that one side did better on. Seeds without a
+    value on a side (the object not found there, or in the true frame) are left out and
+    counted by side, with the sign test of which side lost more."""
     kept = [(x, y) for x, y in pairs if x is not None and y is not None]
-    x = np.array([float(p[0]) for p in kept])
-    y = np.array([float(p[1]) for p in kept])
+    lost_a = sum(1 for x, y in pairs if x is None and y is not None)
+    lost_b = sum(1 for x, y in pairs if y is None and x is not None)
+    x = np.array([p[0] for p in kept], dtype=float)
+    y = np.array([p[1] for p in kept], dtype=float)
     d = y - x
     b_better = int(np.sum(d > 0) if higher_is_better else np.sum(d < 0))
     a_better = int(np.sum(d < 0) if higher_is_better else np.sum(d > 0))
     low, high = bootstrap_interval(d, resamples, seed) if len(kept) else (math.nan, math.nan)
     return {
         "seeds": len(kept),
-        "missing": len(pairs) - len(kept),
+        "missing": {"a_only": lost_a, "b_only": lost_b, "both": len(pairs) - len(kept) - lost_a - lost_b},
+        "missing_p": sign_test(lost_a, lost_b),
         "mean_a": float(x.mean()) if len(kept) else None,
         "mean_b": float(y.mean()) if len(kept) else None,
         "difference": float(d.mean()) if len(kept) else None,
@@ -339,7 +371,7 @@ def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "blo
             f"{len(result['only_a'])} | {len(result['only_b'])} | {result['neither']} | {_p(result['p'])} |",
         ]
         if result["steps_difference_when_both"] is not None:
-            steps = result["steps_difference_when_both"]
+            steps = round(result["steps_difference_when_both"], 1) + 0.0  # no "-0.0"
             lines.append(f"\nsteps to the goal, B - A, over the goals both reached: {steps:+.1f}")
         return "\n".join(lines)
     labels = {
@@ -348,25 +380,40 @@ def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "blo
         "psnr": "PSNR (dB)",
         "block_t_shape": "block is a T (share)",
     }
+    left_out = result["left_out"]
+    for key, what in (
+        ("modes_only_a", "modes only in A"),
+        ("modes_only_b", "modes only in B"),
+        ("horizons_only_a", "horizons only in A"),
+        ("horizons_only_b", "horizons only in B"),
+    ):
+        if left_out[key]:
+            lines.insert(-1, f"left out, {what}: {', '.join(str(v) for v in left_out[key])}")
     lines += [
-        "| mode | metric | h | A | B | B - A (95% interval) | B better / A better | p (sign test) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | metric | h | A | B | B - A (95% interval) | B better / A better | p (sign test) "
+        "| not found: in A only / in B only (p) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, per_metric in result["modes"].items():
         for metric in metrics:
             for h, row in zip(result["horizons"], per_metric[metric], strict=True):
+                lost = row["missing"]
+                found = (
+                    ""
+                    if not (lost["a_only"] or lost["b_only"])
+                    else (f"{lost['a_only']} / {lost['b_only']} ({_p(row['missing_p'])})")
+                )
                 if row["mean_a"] is None:
-                    lines.append(f"| {mode} | {labels[metric]} | {h} | n/a | n/a | | | |")
+                    lines.append(f"| {mode} | {labels[metric]} | {h} | n/a | n/a | | | | {found} |")
                     continue
                 interval = (
                     ""
                     if row["interval"] is None
                     else f" ({row['interval'][0]:+.2f}, {row['interval'][1]:+.2f})"
                 )
-                missing = f", {row['missing']} seeds lost" if row["missing"] else ""
                 lines.append(
                     f"| {mode} | {labels[metric]} | {h} | {row['mean_a']:.2f} | {row['mean_b']:.2f} | "
-                    f"{row['difference']:+.2f}{interval} | {row['b_better']} / {row['a_better']}{missing} | "
-                    f"{_p(row['p'])} |"
+                    f"{row['difference']:+.2f}{interval} | {row['b_better']} / {row['a_better']} | "
+                    f"{_p(row['p'])} | {found} |"
                 )
     return "\n".join(lines)

@@ -211,6 +211,23 @@ def test_a_unit_is_ready_once_the_previous_chunk_wrote_its_context(kv_mode, wait
     assert (unit.unit.chunk, unit.unit.phase, unit.unit.stage) == (1, 0, 0)
 
 
+def test_a_clean_streams_last_chunk_has_no_commit_pass_and_nothing_may_read_after_it():
+    """The scheduler starts a stream's last chunk without the commit pass; a chunk that
+    would read the K/V it never writes is an internal error, named as such."""
+    sched = scheduler()
+    stream = make_stream(1, kv_mode="clean")
+    stream.request.num_chunks = 2
+    started, _ = sched.start_chunks([stream], T0 + 50.0, None)
+    assert [c.phases for _, c in started] == [list(range(STEPS)) + [COMMIT]]
+    stream.chunks[0].progress = stream.chunks[0].total_units(STAGES)
+    started, _ = sched.start_chunks([stream], T0 + 50.0, None)
+    assert [c.phases for _, c in started] == [list(range(STEPS))]
+    stream.start_chunk(chunk_phases("clean", STEPS), T0)  # past its end: what nothing may do
+    stream.chunks[1].in_flight = True
+    with pytest.raises(RuntimeError, match="chunk 2 reads K/V that chunk 1, its last, never writes"):
+        sched.ready_units([stream], 0)
+
+
 def test_the_noisy_pipeline_runs_two_chunks_of_one_stream_side_by_side():
     sched = scheduler()
     stream = make_stream(1)

@@ -595,6 +595,28 @@ def test_a_batch_splits_between_the_teacher_forced_and_the_unrolled_objective(da
     assert float(loss) == pytest.approx((float(unrolled) + 3 * float(taught)) / 4, rel=1e-5)
 
 
+def test_the_unrolled_objective_takes_the_absolute_error_with_unroll_loss_l1(data_24, tmp_path):
+    """`unroll_loss="l1"`: the mean absolute error of the same unrolled predictions that
+    "l2" squares (no change or block weight), chunk by chunk."""
+    from streamworld.models.pixels import frames_to_latents
+
+    l1 = _unroll_trainer(data_24, tmp_path, "delta", unroll_loss="l1")
+    l2 = _unroll_trainer(data_24, tmp_path, "delta")
+    batch = l1.batcher.sample(2)
+    x0 = frames_to_latents(batch["frames"], l1.mcfg.anchored_pixels)[:, :, 1:]
+    losses = {}
+    for name, trainer in (("l1", l1), ("l2", l2)):
+        trainer.gen.manual_seed(7)
+        noise = torch.randn(x0.shape, generator=trainer.gen)
+        with torch.no_grad():
+            pred = trainer.unrolled(batch["frames"], batch["actions"], noise)
+            trainer.gen.manual_seed(7)
+            losses[name] = (float(trainer.unrolled_loss(batch)[0]), pred)
+    assert losses["l1"][0] == pytest.approx(float((losses["l1"][1] - x0).abs().mean()), rel=1e-5)
+    assert losses["l2"][0] == pytest.approx(float((losses["l2"][1] - x0).pow(2).mean()), rel=1e-5)
+    assert losses["l1"][0] != pytest.approx(losses["l2"][0], rel=1e-2)
+
+
 def test_each_unrolled_chunk_runs_the_closed_part_of_the_layout_it_reads(monkeypatch):
     """Chunk c keeps the sink copies used up to it, the context of chunks 0 .. c-1 and
     itself, and nothing kept attends to anything cut away; a layout where a chunk would
@@ -632,6 +654,8 @@ def test_each_unrolled_chunk_runs_the_closed_part_of_the_layout_it_reads(monkeyp
         ({"rollout_share": 0.5}, "cannot be combined"),
         ({"unroll_share": 1.5}, r"in \[0, 1\]"),
         ({"unroll_share": 0.1}, "rounds to no clip"),  # 0.4 of a batch of 4
+        ({"unroll_loss": "l3"}, "--unroll-loss must be one of l2, l1"),
+        ({"unroll_share": 0.0, "unroll_loss": "l1"}, "give --unroll-share too"),
     ],
 )
 def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
@@ -655,6 +679,7 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
         ("--unroll-share", "0.5", "--clip-chunks", "2", "--rollout-share", "0.5"): "cannot be combined",
         ("--unroll-share", "1.5", "--clip-chunks", "2"): "in [0, 1]",
         ("--unroll-share", "0.25", "--clip-chunks", "2"): "rounds to no clip",  # the smoke batch is 2
+        ("--unroll-loss", "l1"): "give --unroll-share too",
     }
     for extra, reason in refused.items():
         other = tmp_path / "refused"

@@ -218,7 +218,7 @@ def test_a_clean_streams_last_chunk_has_no_commit_pass_and_nothing_may_read_afte
     stream = make_stream(1, kv_mode="clean")
     stream.request.num_chunks = 2
     started, _ = sched.start_chunks([stream], T0 + 50.0, None)
-    assert [c.phases for _, c in started] == [list(range(STEPS)) + [COMMIT]]
+    assert [c.phases for _, c in started] == [[*range(STEPS), COMMIT]]
     stream.chunks[0].progress = stream.chunks[0].total_units(STAGES)
     started, _ = sched.start_chunks([stream], T0 + 50.0, None)
     assert [c.phases for _, c in started] == [list(range(STEPS))]

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..pusht.data import ROLLOUT_TARGETS
+from ..pusht.data import ROLLOUT_TARGETS, UNROLL_LOSSES
 from ..pusht.policy import PUSH_SHARE
 from ..pusht.pose import MAX_MISMATCH
 from . import arguments
@@ -169,6 +169,14 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "where that is none; a forward per chunk, eager even with --compile (default 0; docs/pusht.md)",
     )
     group.add_argument(
+        "--unroll-loss",
+        choices=UNROLL_LOSSES,
+        default="l2",
+        help="the unrolled objective's error per pixel: l2 (squared, the default) or l1 (absolute). "
+        "Where the future is uncertain the squared error is least for a blur of the outcomes, the "
+        "absolute error for their median (docs/pusht.md); with --unroll-share only",
+    )
+    group.add_argument(
         "--rollout-targets",
         choices=ROLLOUT_TARGETS,
         default="true",
@@ -254,6 +262,7 @@ def _rollout_options(args: argparse.Namespace) -> dict:
     return {
         "rollout_share": args.rollout_share,
         "unroll_share": args.unroll_share,
+        "unroll_loss": args.unroll_loss,
         "rollout_every": args.rollout_every,
         "rollout_episodes": args.rollout_episodes,
         "rollout_frames": args.rollout_frames,

@@ -29,6 +29,8 @@ TRAIN_SEED_BASE = 1_000_000
 # RolloutContext`): the recorded frames, or the environment continued from the scene the
 # rollout shows (`pose.py: continue_frames`).
 ROLLOUT_TARGETS = ("true", "simulated")
+# The unrolled objective's error per pixel (`train.py: TrainConfig.unroll_loss`).
+UNROLL_LOSSES = ("l2", "l1")
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.schedule import NUM_TRAIN_TIMESTEPS, FlowSchedule
 from ..models.world_model import WorldModel, image_as_last_frame, resolve_device
-from .data import ROLLOUT_TARGETS, Dataset, DatasetSpec, generate_dataset
+from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
 from .world import block_mask
 
@@ -120,6 +120,10 @@ class TrainConfig:
     # Share of each batch trained end to end on the unrolled one-step `clean` sampler
     # (`Trainer.unrolled`); needs stream clips (`clip_chunks`), and excludes rollouts.
     unroll_share: float = 0.0
+    # The unrolled objective's error per pixel: "l2" (squared) or "l1" (absolute). Where the
+    # future is uncertain the squared error is least for the mean of the outcomes, a blur;
+    # the absolute error for their median, which does not average two places into one.
+    unroll_loss: str = "l2"
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -194,7 +198,11 @@ def check_unroll(cfg: TrainConfig) -> None:
     """ValueError where `cfg.unroll_share` cannot run with the rest of `cfg`."""
     if not 0 <= cfg.unroll_share <= 1:
         raise ValueError(f"--unroll-share (unroll_share) must be in [0, 1], got {cfg.unroll_share}")
+    if cfg.unroll_loss not in UNROLL_LOSSES:
+        raise ValueError(f"--unroll-loss must be one of {', '.join(UNROLL_LOSSES)}, got {cfg.unroll_loss!r}")
     if cfg.unroll_share == 0:
+        if cfg.unroll_loss != "l2":
+            raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
         return
     if cfg.clip_chunks is None:
         raise ValueError("--unroll-share unrolls stream clips: give --clip-chunks (clip_chunks) too")
@@ -894,11 +902,13 @@ class Trainer:
 
     def unrolled_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """The unrolled sampler's error against the true clip (`unrolled`), over every chunk,
-        with the change and block weights; stats: the mean and the last chunk's."""
+        squared or absolute (`unroll_loss`), with the change and block weights; stats: the
+        mean and the last chunk's."""
         frames = batch["frames"]
         x0 = frames_to_latents(frames, self.mcfg.anchored_pixels)[:, :, 1:]
         noise = torch.randn(x0.shape, generator=self.gen, device=self.device)
-        err = self._weighted_error(self.unrolled(frames, batch["actions"], noise), x0, frames)  # [B, L]
+        pred = self.unrolled(frames, batch["actions"], noise)
+        err = self._weighted_error(pred, x0, frames, self.cfg.unroll_loss)  # [B, L]
         last = err[:, -self.batcher.chunk :]
         stats = {
             "loss_unrolled": float(err.detach().mean()),
@@ -919,9 +929,12 @@ class Trainer:
         loss, more = self.loss({k: v[: b - u] for k, v in batch.items()})
         return (loss * (b - u) + unrolled * u) / b, {**more, **stats}
 
-    def _weighted_error(self, pred: torch.Tensor, target: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        """Squared error per sample and frame [B, L], with the change and block weights."""
-        err = (pred - target).pow(2)
+    def _weighted_error(
+        self, pred: torch.Tensor, target: torch.Tensor, frames: torch.Tensor, norm: str = "l2"
+    ) -> torch.Tensor:
+        """Squared (or with `norm` "l1" absolute) error per sample and frame [B, L], with the
+        change and block weights."""
+        err = (pred - target).abs() if norm == "l1" else (pred - target).pow(2)
         if self.cfg.change_weight:
             changed = (frames[:, :, 1:] - frames[:, :, :1]).abs().amax(1, keepdim=True) > 0.1
             err = err * (1.0 + self.cfg.change_weight * changed)

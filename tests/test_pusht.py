@@ -148,6 +148,9 @@ def test_train_cli_stops_on_sigterm_with_a_checkpoint_and_the_weights(tmp_path, 
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "4"]) == 0
     resumed = json.loads((work / "train_summary.json").read_text())
     assert resumed["step"] == 4 and resumed["steps_this_run"] == 2 and resumed["stopped_by"] == "total_steps"
+    settings = resumed["settings"]  # what was trained, beside how far
+    assert settings["train"]["total_steps"] == 4 and settings["train"]["unroll_loss"] == "l2"
+    assert settings["prediction"] == "x0" and settings["init"] is None and settings["data"]["episodes"] == 4
 
 
 def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, capsys):

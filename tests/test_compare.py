@@ -159,9 +159,9 @@ def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path
         3,
     )
     table = format_comparison(result)
-    assert "| clean | block error (px) | 32 | 4.50 | 4.25 | -0.25 (" in table
-    assert "| 3 / 1 | 0.625 | 0 / 1 (1.000) |" in table  # B better on 3 seeds, A on 1; B lost a block
-    assert "| clean | block is a T (share) | 32 | 1.00 | 0.40 |" in table
+    assert "| clean | block error (px) | 32 | 4 | 4.50 | 4.25 | -0.25 (" in table
+    assert "| 3 / 1 | 0.625 | 0 / 1 (1.000) / 0 |" in table  # B better on 3 seeds, A on 1; B lost a block
+    assert "| clean | block is a T (share) | 32 | 5 | 1.00 | 0.40 |" in table
 
 
 def test_reports_that_cannot_be_compared_are_refused(tmp_path):
@@ -231,6 +231,14 @@ def test_files_that_are_not_reports_are_refused_with_the_reason(tmp_path, capsys
             tmp_path, "episode.json", {**plan_report({0: True}), "episodes": [{"seed": 0, "success": True}]}
         ): ("an episode without an integer seed, a success flag and its steps"),
     }
+    text_row = prediction_report({0: [1.0, 2.0]})
+    text_row["per_seed"]["clean"]["block_px"] = ["ab"]
+    list_seed = prediction_report({0: [1.0, 2.0]})
+    list_seed["per_seed"]["seeds"] = [[0]]
+    cases[write(tmp_path, "text-row.json", text_row)] = "misses seed 0's results at some horizon"
+    cases[write(tmp_path, "list-seed.json", list_seed)] = "seeds and horizons must be integers"
+    twice = prediction_report({0: [1.0, 2.0]}, horizons=(8, 8))
+    cases[write(tmp_path, "twice.json", twice)] = "names a seed or a horizon twice"
     for spec, message in cases.items():
         with pytest.raises(CompareError, match=message):
             load_side(spec)

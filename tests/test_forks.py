@@ -242,6 +242,42 @@ async def test_stopping_a_stream_whose_fork_is_pending_branches_after_its_last_c
     assert_equal_to(outputs, *reference_chunks(reference, 1, 2))
 
 
+async def test_stopping_a_stream_whose_fork_is_pending_keeps_the_fork_point():
+    """A fork asked while a chunk has started but not begun branches after that chunk. A
+    stop then finishes that chunk instead of dropping it: dropping it would move the fork
+    point back, to a chunk whose actions the stream has already let go."""
+    model = action_model()
+    image, (parent_actions, branch_actions, _) = inputs(8)
+    async with AsyncEngine(model, engine_config()) as engine:
+        held = {"chunk": True}
+        ready_units = engine.scheduler.ready_units
+
+        def hold_chunk_1(streams, rank):  # chunk 1 starts but none of its units runs
+            units = ready_units(streams, rank)
+            return [u for u in units if not (held["chunk"] and u.unit.chunk == 1)]
+
+        engine.scheduler.ready_units = hold_chunk_1
+        request = StreamRequest(seed=3, image=image, actions=parent_actions, kv_mode="clean")
+        parent = engine.open_stream(request)
+        before = [await parent.__anext__()]
+        while parent.stream.next_chunk < 2:
+            await asyncio.sleep(0.01)
+        assert not parent.stream.chunks[1].begun()
+        branches = engine.fork(parent.id, [BranchRequest(2, actions=branch_actions)])
+        parent.stop()
+        held["chunk"] = False
+        engine._poke()
+        outputs = await collect(branches[0])
+        before += await collect(parent)
+        assert parent.status == "completed" and [o.index for o in before] == [0, 1]
+        assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
+    assert branches[0].stream.fork_chunk == 2 and [o.index for o in outputs] == [2, 3]
+    video_start = parent.stream.chunk_video_start(2)
+    fed = np.concatenate([parent_actions[: video_start - 1], branch_actions])
+    reference = GenerationRequest(3, 4, image=image, actions=fed, kv_mode="clean")
+    assert_equal_to(outputs, *reference_chunks(reference, 2, 2))
+
+
 @pytest.mark.parametrize("seed", range(100))
 def test_random_forks_evictions_and_releases_free_every_page_exactly_once(seed):
     """Page tables forked, written, evicted and released in a random order: a page is free

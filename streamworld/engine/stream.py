@@ -343,9 +343,13 @@ class Stream:
 
     def stop_after_begun(self) -> list[int]:
         """`stop`: the chunks begun finish, the others are dropped; returns the dropped ones.
-        (A chunk starts only after its predecessor has begun, so the begun ones are a prefix.)"""
+        (A chunk starts only after its predecessor has begun, so the begun ones are a prefix.)
+        With a fork pending, every chunk started finishes: they all come before the fork point
+        (none starts while a fork waits), which a drop would move back."""
         begun = [c for c, ch in self.chunks.items() if c >= 0 and ch.begun()]
         keep = max(begun) + 1 if begun else self.delivered
+        if self.pending_fork is not None:
+            keep = self.next_chunk
         dropped = [c for c in self.chunks if c >= keep]
         for c in dropped:
             del self.chunks[c]

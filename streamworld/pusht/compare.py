@@ -178,6 +178,10 @@ def _merge_per_seed(side: Side, report: dict, path: Path) -> None:
         seeds, horizons = list(per_seed["seeds"]), list(per_seed["horizons"])
     except (KeyError, TypeError):
         raise CompareError(f"{path}: per_seed has no seeds and horizons") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in seeds + horizons):
+        raise CompareError(f"{path}: per_seed's seeds and horizons must be integers")
+    if len(set(horizons)) != len(horizons) or len(set(seeds)) != len(seeds):
+        raise CompareError(f"{path}: per_seed names a seed or a horizon twice")
     if side.horizons and horizons != side.horizons:
         raise CompareError(f"{path}: per-seed horizons {horizons}, where {side.paths[0]} has {side.horizons}")
     side.horizons = horizons
@@ -190,12 +194,18 @@ def _merge_per_seed(side: Side, report: dict, path: Path) -> None:
             if seed in table:
                 raise CompareError(f"{path}: seed {seed} appears twice in one side")
             try:
-                values = {metric: [_number(v) for v in rows[metric][i]] for metric in HIGHER_IS_BETTER}
+                values = {metric: [_number(v) for v in _row(rows[metric][i])] for metric in HIGHER_IS_BETTER}
             except (KeyError, IndexError, TypeError):
                 values = None
             if values is None or any(len(v) != len(horizons) for v in values.values()):
                 raise CompareError(f"{path}: per_seed of {mode} misses seed {seed}'s results at some horizon")
             table[seed] = values
+
+
+def _row(row) -> list:
+    if not isinstance(row, list):
+        raise TypeError("a per-seed row is a list")
+    return row
 
 
 def _number(value) -> float | None:
@@ -390,9 +400,9 @@ def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "blo
         if left_out[key]:
             lines.insert(-1, f"left out, {what}: {', '.join(str(v) for v in left_out[key])}")
     lines += [
-        "| mode | metric | h | A | B | B - A (95% interval) | B better / A better | p (sign test) "
-        "| not found: in A only / in B only (p) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | metric | h | seeds | A | B | B - A (95% interval) | B better / A better | p (sign test) "
+        "| not found: in A only / in B only (p) / in both |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, per_metric in result["modes"].items():
         for metric in metrics:
@@ -400,11 +410,11 @@ def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "blo
                 lost = row["missing"]
                 found = (
                     ""
-                    if not (lost["a_only"] or lost["b_only"])
-                    else (f"{lost['a_only']} / {lost['b_only']} ({_p(row['missing_p'])})")
+                    if not any(lost.values())
+                    else f"{lost['a_only']} / {lost['b_only']} ({_p(row['missing_p'])}) / {lost['both']}"
                 )
                 if row["mean_a"] is None:
-                    lines.append(f"| {mode} | {labels[metric]} | {h} | n/a | n/a | | | | {found} |")
+                    lines.append(f"| {mode} | {labels[metric]} | {h} | 0 | n/a | n/a | | | | {found} |")
                     continue
                 interval = (
                     ""
@@ -412,7 +422,8 @@ def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "blo
                     else f" ({row['interval'][0]:+.2f}, {row['interval'][1]:+.2f})"
                 )
                 lines.append(
-                    f"| {mode} | {labels[metric]} | {h} | {row['mean_a']:.2f} | {row['mean_b']:.2f} | "
+                    f"| {mode} | {labels[metric]} | {h} | {row['seeds']} | "
+                    f"{row['mean_a']:.2f} | {row['mean_b']:.2f} | "
                     f"{row['difference']:+.2f}{interval} | {row['b_better']} / {row['a_better']} | "
                     f"{_p(row['p'])} | {found} |"
                 )

@@ -186,6 +186,11 @@ async def _engine_phase(models: list[WorldModel], cfg: BenchConfig) -> dict:
 
         tasks = [asyncio.create_task(drain(i)) for i in range(len(handles))]
         await asyncio.sleep(cfg.duration_s)
+        # A window without a single chunk measures nothing (a short run on a busy machine):
+        # it goes on until the first chunk arrives, FIRST_CHUNK_WAIT_S more at most.
+        give_up = time.monotonic() + FIRST_CHUNK_WAIT_S
+        while not any(records) and time.monotonic() < give_up:
+            await asyncio.sleep(0.02)
         t1 = time.monotonic()
         admitted = sum(1 for h in handles if h.queue_position == 0)  # before cancelling admits others
         replica_of = [h.replica for h in handles]  # where each ran (a waiting stream may move)
@@ -393,6 +398,8 @@ def _stop_profiler(prof: torch.profiler.profile, threads: dict[int | None, str],
 
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# How long past --duration a measured window waits for its first chunk.
+FIRST_CHUNK_WAIT_S = 120.0
 
 
 def summarise_gpu_trace(events: list[dict], threads: dict[int | None, str], window_us: float) -> dict:

@@ -170,6 +170,16 @@ def test_bench_baseline_commits_every_chunk_like_the_engines_open_ended_streams(
     assert measured and all(r.open_ended and r.kv_mode == "clean" for r in measured)
 
 
+def test_a_bench_window_too_short_for_a_chunk_runs_on_until_the_first_one(tmp_path):
+    """10 ms is far less than the first chunk takes here: instead of a window of no chunks
+    (0 frames/s, a measurement of nothing), the window lasts until the first arrives."""
+    out = tmp_path / "short.json"
+    args = ["bench", "--model", "tiny-wan", "--no-baseline", "--duration", "0.01", "--json", str(out)]
+    assert main(args) == 0
+    engine = json.loads(out.read_text())["engine"]
+    assert engine["aggregate_fps"] > 0 and sum(s["chunks"] for s in engine["per_stream"]) >= 1
+
+
 def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1", "--unpaced"]

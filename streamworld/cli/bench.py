@@ -27,7 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     arguments.add_model_arguments(parser)
     parser.add_argument("--streams", type=int, default=4, help="concurrent streams (default 4)")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of engine run (default 20)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        help="seconds of engine run (default 20); a window that has seen no chunk by then runs on "
+        "until the first one arrives (2 minutes more at most)",
+    )
     parser.add_argument("--kv-mode", choices=arguments.KV_MODES, help="KV mode (default: the model's)")
     parser.add_argument(
         "--priority",

@@ -278,6 +278,49 @@ async def test_stopping_a_stream_whose_fork_is_pending_keeps_the_fork_point():
     assert_equal_to(outputs, *reference_chunks(reference, 2, 2))
 
 
+async def test_a_prompt_changed_while_a_stopped_stream_waits_to_branch_reaches_the_branch():
+    """Fork, stop, then change the prompt while the last chunk's commit pass runs: the
+    stream waits for the new prompt's encoding before it completes and branches, so the
+    branch runs on the new prompt (it used to take the old prompt's text under the new
+    prompt's name, and never encode it)."""
+    from streamworld.engine.kv_modes import COMMIT
+
+    model = action_model()
+    image, (parent_actions, branch_actions, _) = inputs(9)
+    async with AsyncEngine(model, engine_config()) as engine:
+        held = {"commit": True, "prompted": False}
+        ready_units = engine.scheduler.ready_units
+        loop = asyncio.get_running_loop()
+
+        def hold_first_commit(streams, rank):
+            units = ready_units(streams, rank)
+            first_commit = [u for u in units if u.unit.phase == COMMIT and u.unit.chunk == 0]
+            if held["commit"]:
+                return [u for u in units if u not in first_commit]
+            if first_commit and not held["prompted"]:  # just after the commit is sent off
+                held["prompted"] = True
+                loop.call_soon(engine.set_prompt, parent.id, "b")
+            return units
+
+        engine.scheduler.ready_units = hold_first_commit
+        request = StreamRequest(seed=3, prompt="a", image=image, actions=parent_actions, kv_mode="clean")
+        parent = engine.open_stream(request)
+        await parent.__anext__()
+        branches = engine.fork(parent.id, [BranchRequest(2, actions=branch_actions)])
+        parent.stop()
+        held["commit"] = False
+        engine._poke()
+        outputs = await collect(branches[0])
+        assert held["prompted"] and await collect(parent) == [] and parent.status == "completed"
+        assert engine.pool.pages_used == 0 and engine.pool.reserved == 0
+    video_start = parent.stream.chunk_video_start(1)
+    fed = np.concatenate([parent_actions[: video_start - 1], branch_actions])
+    reference = GenerationRequest(
+        3, 3, prompt="a", prompt_changes={1: "b"}, image=image, actions=fed, kv_mode="clean"
+    )
+    assert_equal_to(outputs, *reference_chunks(reference, 1, 2))
+
+
 @pytest.mark.parametrize("seed", range(100))
 def test_random_forks_evictions_and_releases_free_every_page_exactly_once(seed):
     """Page tables forked, written, evicted and released in a random order: a page is free

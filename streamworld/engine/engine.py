@@ -410,6 +410,8 @@ class AsyncEngine:
                 self._end(stream, "error", "error", f"prompt encoding failed: {f.exception()}")
             elif stream.prompt == prompt:
                 stream.text_ready = True
+                if stream.pending_fork is not None:  # its completion may have waited for this
+                    self._maybe_complete(stream)
             else:
                 self._encode_prompt(stream)
             self._poke()
@@ -604,9 +606,10 @@ class AsyncEngine:
     def _maybe_complete(self, stream: Stream) -> None:
         if not (stream.live and stream.finished_generating()):
             return
-        if stream.pending_fork is not None and stream.chunks:
-            # Delivered, but a chunk's last units (a commit pass) still run: the branches
-            # read what they write, so the stream completes when they retire.
+        if stream.pending_fork is not None and (stream.chunks or not stream.text_ready):
+            # Delivered, but a chunk's last units (a commit pass) still run, or a new prompt
+            # is being encoded: the branches take both, so the stream completes once the
+            # chunk retires and the prompt is ready.
             return
         self._end(stream, "completed", "stopped" if stream.stopping else "completed")
 
@@ -614,7 +617,7 @@ class AsyncEngine:
     def _end(self, stream: Stream, status: str, reason: str, error: str | None = None) -> None:
         fork = stream.pending_fork
         if fork is not None:  # a stream that completes is between chunks: its branches go on
-            if status == "completed" and stream.next_decode == stream.next_chunk and not stream.chunks:
+            if status == "completed" and stream.between_chunks:
                 self._branch(stream)
             else:
                 stream.pending_fork = None

@@ -45,6 +45,9 @@ from .engine import (
 from .models.world_model import WorldModel
 from .scenes import first_frame_source
 
+# How long past --duration a measured window waits for its first chunk.
+FIRST_CHUNK_WAIT_S = 120.0
+
 
 @dataclass
 class BenchConfig:
@@ -398,8 +401,6 @@ def _stop_profiler(prof: torch.profiler.profile, threads: dict[int | None, str],
 
 
 _GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-# How long past --duration a measured window waits for its first chunk.
-FIRST_CHUNK_WAIT_S = 120.0
 
 
 def summarise_gpu_trace(events: list[dict], threads: dict[int | None, str], window_us: float) -> dict:

@@ -157,26 +157,7 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         "the true frames; with --clip-chunks, a stream clip's earlier chunks are the model's own, as "
         "served, and every later chunk is trained (default 0; docs/pusht.md)",
     )
-    group.add_argument(
-        "--unroll-share",
-        type=float,
-        default=0.0,
-        help="share of each batch trained end to end on whole rollouts: the one-step clean sampler "
-        "(what `--steps 1000 --kv-mode clean` serves) is unrolled over each stream clip, every chunk "
-        "predicted from noise with the model's own earlier chunks as context, and every prediction "
-        "is compared with the true frames, the gradient flowing back through the rollout. Needs "
-        "--clip-chunks; not with --rollout-share; rounded to whole clips of the batch, and refused "
-        "where that is none; a forward per chunk, eager even with --compile (default 0; docs/pusht.md)",
-    )
-    group.add_argument(
-        "--unroll-loss",
-        choices=UNROLL_LOSSES,
-        default="l2",
-        help="the unrolled objective's error per pixel: l2 (squared, the default) or l1 (absolute). "
-        "Where the future is uncertain the squared error is least for a blur of the outcomes, the "
-        "absolute error for their median; in a CPU pilot l1 lost the block more often, not less "
-        "(docs/pusht.md); with --unroll-share only",
-    )
+    _add_unroll_arguments(group)
     group.add_argument(
         "--rollout-targets",
         choices=ROLLOUT_TARGETS,
@@ -207,6 +188,30 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         default=32,
         help="frames per rollout, whole chunks (default 32; ignored with --clip-chunks: a rollout is then "
         "one clip)",
+    )
+
+
+def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
+    """--unroll-share and --unroll-loss: training end to end on the model's own rollouts."""
+    group.add_argument(
+        "--unroll-share",
+        type=float,
+        default=0.0,
+        help="share of each batch trained end to end on whole rollouts: the one-step clean sampler "
+        "(what `--steps 1000 --kv-mode clean` serves) is unrolled over each stream clip, every chunk "
+        "predicted from noise with the model's own earlier chunks as context, and every prediction "
+        "is compared with the true frames, the gradient flowing back through the rollout. Needs "
+        "--clip-chunks; not with --rollout-share; rounded to whole clips of the batch, and refused "
+        "where that is none; a forward per chunk, eager even with --compile (default 0; docs/pusht.md)",
+    )
+    group.add_argument(
+        "--unroll-loss",
+        choices=UNROLL_LOSSES,
+        default="l2",
+        help="the unrolled objective's error per pixel: l2 (squared, the default) or l1 (absolute). "
+        "Where the future is uncertain the squared error is least for a blur of the outcomes, the "
+        "absolute error for their median; in a CPU pilot l1 lost the block more often, not less "
+        "(docs/pusht.md); with --unroll-share only",
     )
 
 

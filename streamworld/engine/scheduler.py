@@ -151,11 +151,13 @@ class Scheduler:
         if prev_state is None:
             return prev < stream.next_chunk  # finished and retired
         dep = context_dependency(stream.kv_mode, phase, self.num_steps)
-        if dep not in prev_state.phases:  # a stream's last chunk commits nothing (`chunk_phases`)
+        try:
+            needed = unit_index(prev_state.phases, dep, stage, self.num_stages)
+        except ValueError:  # a stream's last chunk commits nothing (`chunk_phases`)
             raise RuntimeError(
                 f"stream {stream.id}: chunk {c} reads K/V that chunk {prev}, its last, never writes"
-            )
-        return prev_state.progress > unit_index(prev_state.phases, dep, stage, self.num_stages)
+            ) from None
+        return prev_state.progress > needed
 
     # --- DiT batches ------------------------------------------------------------------------
     def ready_units(self, streams: Iterable[Stream], rank: int) -> list[ReadyUnit]:

@@ -363,43 +363,56 @@ def _p(value: float) -> str:
     return f"{value:.3f}" if value >= 0.001 else f"{value:.1e}"
 
 
+METRIC_LABELS = {
+    "block_px": "block error (px)",
+    "agent_px": "agent error (px)",
+    "psnr": "PSNR (dB)",
+    "block_t_shape": "block is a T (share)",
+}
+LEFT_OUT_LABELS = (
+    ("modes_only_a", "modes only in A"),
+    ("modes_only_b", "modes only in B"),
+    ("horizons_only_a", "horizons only in A"),
+    ("horizons_only_b", "horizons only in B"),
+)
+
+
 def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "block_t_shape", "psnr")) -> str:
-    """The comparison as text: a Markdown table per kind."""
+    """The comparison as text: which reports, the seeds paired, and a Markdown table."""
     lines = [f"{name}: {_side_line(result[name.lower()])}" for name in ("A", "B")]
     unpaired = result["unpaired_seeds"]
     paired = f"{result['seeds']} seeds in both"
     if unpaired["only_a"] or unpaired["only_b"]:
         paired += f" (left out: {unpaired['only_a']} only in A, {unpaired['only_b']} only in B)"
-    lines += [paired, ""]
+    lines.append(paired)
     if result["kind"] == "plan":
-        n = result["seeds"]
-        lines += [
-            "| goals reached | A | B | both | A only | B only | neither | p (exact sign test) |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| of {n} | {result['success_a']} ({result['success_a'] / n:.0%}) | "
-            f"{result['success_b']} ({result['success_b'] / n:.0%}) | {result['both']} | "
-            f"{len(result['only_a'])} | {len(result['only_b'])} | {result['neither']} | {_p(result['p'])} |",
-        ]
-        if result["steps_difference_when_both"] is not None:
-            steps = round(result["steps_difference_when_both"], 1) + 0.0  # no "-0.0"
-            lines.append(f"\nsteps to the goal, B - A, over the goals both reached: {steps:+.1f}")
-        return "\n".join(lines)
-    labels = {
-        "block_px": "block error (px)",
-        "agent_px": "agent error (px)",
-        "psnr": "PSNR (dB)",
-        "block_t_shape": "block is a T (share)",
-    }
+        return "\n".join([*lines, "", *_plan_table(result)])
     left_out = result["left_out"]
-    for key, what in (
-        ("modes_only_a", "modes only in A"),
-        ("modes_only_b", "modes only in B"),
-        ("horizons_only_a", "horizons only in A"),
-        ("horizons_only_b", "horizons only in B"),
-    ):
-        if left_out[key]:
-            lines.insert(-1, f"left out, {what}: {', '.join(str(v) for v in left_out[key])}")
     lines += [
+        f"left out, {what}: {', '.join(map(str, left_out[key]))}"
+        for key, what in LEFT_OUT_LABELS
+        if left_out[key]
+    ]
+    return "\n".join([*lines, "", *_prediction_table(result, metrics)])
+
+
+def _plan_table(result: dict) -> list[str]:
+    n = result["seeds"]
+    lines = [
+        "| goals reached | A | B | both | A only | B only | neither | p (exact sign test) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| of {n} | {result['success_a']} ({result['success_a'] / n:.0%}) | "
+        f"{result['success_b']} ({result['success_b'] / n:.0%}) | {result['both']} | "
+        f"{len(result['only_a'])} | {len(result['only_b'])} | {result['neither']} | {_p(result['p'])} |",
+    ]
+    if result["steps_difference_when_both"] is not None:
+        steps = round(result["steps_difference_when_both"], 1) + 0.0  # no "-0.0"
+        lines.append(f"\nsteps to the goal, B - A, over the goals both reached: {steps:+.1f}")
+    return lines
+
+
+def _prediction_table(result: dict, metrics: tuple[str, ...]) -> list[str]:
+    lines = [
         "| mode | metric | h | seeds | A | B | B - A (95% interval) | B better / A better | p (sign test) "
         "| not found: in A only / in B only (p) / in both |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -407,24 +420,20 @@ def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "blo
     for mode, per_metric in result["modes"].items():
         for metric in metrics:
             for h, row in zip(result["horizons"], per_metric[metric], strict=True):
-                lost = row["missing"]
-                found = (
-                    ""
-                    if not any(lost.values())
-                    else f"{lost['a_only']} / {lost['b_only']} ({_p(row['missing_p'])}) / {lost['both']}"
-                )
-                if row["mean_a"] is None:
-                    lines.append(f"| {mode} | {labels[metric]} | {h} | 0 | n/a | n/a | | | | {found} |")
-                    continue
-                interval = (
-                    ""
-                    if row["interval"] is None
-                    else f" ({row['interval'][0]:+.2f}, {row['interval'][1]:+.2f})"
-                )
-                lines.append(
-                    f"| {mode} | {labels[metric]} | {h} | {row['seeds']} | "
-                    f"{row['mean_a']:.2f} | {row['mean_b']:.2f} | "
-                    f"{row['difference']:+.2f}{interval} | {row['b_better']} / {row['a_better']} | "
-                    f"{_p(row['p'])} | {found} |"
-                )
-    return "\n".join(lines)
+                lines.append(f"| {mode} | {METRIC_LABELS[metric]} | {h} | {_prediction_cells(row)} |")
+    return lines
+
+
+def _prediction_cells(row: dict) -> str:
+    """One `_paired_metric` row's cells after the horizon."""
+    lost = row["missing"]
+    found = ""
+    if any(lost.values()):
+        found = f"{lost['a_only']} / {lost['b_only']} ({_p(row['missing_p'])}) / {lost['both']}"
+    if row["mean_a"] is None:
+        return f"0 | n/a | n/a | | | | {found}"
+    interval = "" if row["interval"] is None else f" ({row['interval'][0]:+.2f}, {row['interval'][1]:+.2f})"
+    return (
+        f"{row['seeds']} | {row['mean_a']:.2f} | {row['mean_b']:.2f} | {row['difference']:+.2f}{interval} | "
+        f"{row['b_better']} / {row['a_better']} | {_p(row['p'])} | {found}"
+    )

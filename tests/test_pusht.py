@@ -181,6 +181,36 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
         WorldModel.load(plain, weights)
 
 
+def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monkeypatch):
+    """A checkpoint resumes only under the settings it was trained with (the schedule's
+    length aside), checked before any data is recorded; the message names what differs."""
+    from streamworld.pusht import train as train_module
+
+    work = tmp_path / "w"
+    base = ["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]
+    assert cli_main(base) == 0
+    capsys.readouterr()
+    checkpoint = (work / "checkpoint.pt").read_bytes()
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data recorded before the resume was checked")
+
+    monkeypatch.setattr(train_module, "prepare_data", no_data)
+    refusals = [
+        (["--block-weight", "1"], "block_weight: 0.0 in the checkpoint, 1.0 now"),
+        (["--data-seed", "9"], "data.seed: 0 in the checkpoint, 9 now"),
+        (["--prediction", "delta"], "different model configuration"),
+    ]
+    for flags, message in refusals:
+        assert cli_main([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "another --workdir" in err, err
+    assert (work / "checkpoint.pt").read_bytes() == checkpoint  # refused runs left it alone
+    monkeypatch.undo()
+    assert cli_main([*base[:-1], "3"]) == 0  # a longer schedule resumes
+    assert json.loads((work / "train_summary.json").read_text())["step"] == 3
+
+
 @pytest.mark.parametrize(
     "flag, value",
     [

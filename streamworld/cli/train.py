@@ -28,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Record PushT episodes (when the data folder has none yet) and train the pusht world model "
             "with flow matching. A run stops after --minutes of training (SIGTERM or Ctrl-C stop it "
             "early the same way, after the current step) and saves a checkpoint in --workdir; running "
-            "the same command again resumes it, until --total-steps. Every run exports the EMA weights "
+            "the same command again resumes it, until --total-steps (a resume may change --total-steps, "
+            "--compile and --workers; other changed settings are refused, naming them, before any data "
+            "is recorded). Every run exports the EMA weights "
             "(float16 safetensors), which `streamworld serve --model pusht --dit PATH` serves "
             "instead of the built-in ones. The "
             "recipe is in docs/pusht.md."
@@ -313,7 +315,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pusht.train import Trainer, check_unroll, prepare_data
+    from ..pusht.train import Trainer, check_resume, check_unroll, prepare_data
 
     workdir = Path(args.workdir)
     _check(args, workdir)
@@ -323,11 +325,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     data_dir = Path(args.data) if args.data else workdir / "data"
-    try:
+    # What defines the run besides the training config; a resume must match it.
+    run_settings = {
+        "prediction": config.prediction,
+        "init": Path(args.init).name if args.init else None,
+        "data": dataclasses.asdict(spec),
+    }
+    try:  # a resume with other settings is refused before any data is recorded
+        check_resume(workdir / "checkpoint.pt", None, config, train_config, run_settings)
         data = prepare_data(data_dir, spec, workers=args.workers)
         if args.init is not None and not Path(args.init).is_file():
             raise UsageError(f"--init: {args.init} does not exist")
-        trainer = Trainer(config, train_config, data, workdir, device=device, init=args.init)
+        trainer = Trainer(
+            config, train_config, data, workdir, device=device, init=args.init, run_settings=run_settings
+        )
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
     with _stop_on_signals(trainer):  # through the export: a signal then changes nothing
@@ -335,12 +346,9 @@ def run(args: argparse.Namespace) -> int:
         out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
         summary["weights"] = str(out)
         summary["weights_bytes"] = out.stat().st_size
-        settings = {  # what this run trained: its schedule and objective, data and start
-            "prediction": config.prediction,
-            "init": Path(args.init).name if args.init else None,
-            "data": dataclasses.asdict(spec),
-            "train": dataclasses.asdict(train_config),
-        }
+        # What this run trained (a resume is refused unless it matches): its schedule and
+        # objective, data and start.
+        settings = {**run_settings, "train": dataclasses.asdict(train_config)}
         (workdir / "train_summary.json").write_text(
             json.dumps({**summary, "settings": settings, "history": trainer.history}, indent=2) + "\n"
         )

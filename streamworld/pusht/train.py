@@ -138,6 +138,58 @@ class TrainConfig:
     log_every: int = 100
 
 
+# Training settings a resumed run may change: where and how fast it runs, how often it
+# logs, and how long the schedule is (the existing run is extended or shortened).
+RESUME_MAY_CHANGE = frozenset({"total_steps", "compile", "rollout_workers", "checkpoint_every", "log_every"})
+
+
+def _differences(prefix: str, saved: dict, now: dict) -> list[str]:
+    """'name: saved in the checkpoint, now X' for each setting both have that differs."""
+    out = []
+    for name in sorted(saved.keys() & now.keys()):
+        if name in RESUME_MAY_CHANGE:
+            continue
+        a, b = saved[name], now[name]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(f"{prefix}{name}.", a, b)
+        elif _plain(a) != _plain(b):
+            out.append(f"{prefix}{name}: {a!r} in the checkpoint, {b!r} now")
+    return out
+
+
+def _plain(value):
+    """A tuple as the list it may have been saved as."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_resume(
+    path: Path,
+    state: dict | None,
+    model_config: ModelConfig,
+    train_config: TrainConfig,
+    run_settings: dict | None = None,
+) -> None:
+    """Refuse to resume the checkpoint at `path` (its loaded `state`, or None to load it
+    here; nothing to check if there is none) when it was trained for another model or with
+    other settings: the run would be a mix of two recipes, recorded as the second.
+    `RESUME_MAY_CHANGE` may differ; settings a checkpoint predates are not compared."""
+    if state is None:
+        if not path.is_file():
+            return
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["model_config"] != asdict(model_config):
+        raise ValueError(f"{path} was trained for a different model configuration; use another --workdir")
+    differences = _differences("", state.get("train_config", {}), asdict(train_config))
+    differences += _differences("", state.get("run_settings", {}), run_settings or {})
+    if differences:
+        raise ValueError(
+            f"{path} was trained with other settings ("
+            + "; ".join(differences)
+            + "); run the command that started it to resume, or use another --workdir "
+            "(with --init set to its exported weights to fine-tune from them)"
+        )
+
+
 def clip_length(config: ModelConfig, chunks: int | None = None) -> int:
     """Frames in a training clip: `chunks` chunks, by default whole chunks covering the window
     plus one chunk (whose window is full)."""
@@ -653,10 +705,14 @@ class Trainer:
         workdir: str | Path,
         device: str = "auto",
         init: str | Path | None = None,
+        run_settings: dict | None = None,
     ) -> None:
         check_unroll(train_config)
         self.mcfg = model_config
         self.cfg = train_config
+        # What else defines the run (the CLI's data spec and start weights): kept in the
+        # checkpoint, and a resume with other values is refused (`_check_resume`).
+        self.run_settings = run_settings or {}
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.device = resolve_device(device)
@@ -733,11 +789,7 @@ class Trainer:
         if not self.checkpoint_path.is_file():
             return
         state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
-        if state["model_config"] != asdict(self.mcfg):
-            raise ValueError(
-                f"{self.checkpoint_path} was trained for a different model configuration; "
-                "use another --workdir"
-            )
+        check_resume(self.checkpoint_path, state, self.mcfg, self.cfg, self.run_settings)
         self.dit.load_state_dict(state["dit"])
         self.ema = state["ema"]
         self.opt.load_state_dict(state["opt"])
@@ -755,6 +807,7 @@ class Trainer:
             "rng": self.gen.get_state(),
             "model_config": asdict(self.mcfg),
             "train_config": asdict(self.cfg),
+            "run_settings": self.run_settings,
         }
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(state, tmp)

@@ -45,10 +45,12 @@ def prediction_report(
     shapes: dict[int, list] | None = None,
     horizons: tuple[int, ...] = (8, 32),
     modes: tuple[str, ...] = ("clean",),
+    angles: dict[int, list] | None = None,
     **settings,
 ) -> dict:
     """A prediction report with per-seed results for each of `modes` (the same values in
-    each), at `horizons` (8 and 32 by default)."""
+    each), at `horizons` (8 and 32 by default); without `angles`, as reports were before
+    they kept the block's angle error."""
     seeds = list(block)
     n = len(horizons)
     rows = {
@@ -56,6 +58,7 @@ def prediction_report(
         "agent_px": [[0.3] * n for _ in seeds],
         "psnr": [[30.0] * n for _ in seeds],
         "block_t_shape": [(shapes or {}).get(s, [True] * n) for s in seeds],
+        **({"block_deg": [angles[s] for s in seeds]} if angles is not None else {}),
     }
     return {
         "model": "pusht-delta",
@@ -162,6 +165,32 @@ def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path
     assert "| clean | block error (px) | 32 | 4 | 4.50 | 4.25 | -0.25 (" in table
     assert "| 3 / 1 | 0.625 | 0 / 1 (1.000) / 0 |" in table  # B better on 3 seeds, A on 1; B lost a block
     assert "| clean | block is a T (share) | 32 | 5 | 1.00 | 0.40 |" in table
+
+
+def test_block_angles_are_compared_where_both_sides_have_them(tmp_path, capsys):
+    # B turns the block better on seeds 0-2 at h=32; seed 3's block is no T in A.
+    block = {s: [1.0, 4.0] for s in range(4)}
+    a_angles = {0: [2.0, 20.0], 1: [1.0, 15.0], 2: [3.0, 30.0], 3: [1.0, None]}
+    b_angles = {0: [2.0, 5.0], 1: [1.0, 10.0], 2: [3.0, 12.0], 3: [1.0, 8.0]}
+    a = write(tmp_path, "a.json", prediction_report(block, angles=a_angles))
+    b = write(tmp_path, "b.json", prediction_report(block, angles=b_angles, weights="r17.safetensors"))
+    result = compare(load_side(a), load_side(b))
+    h32 = result["modes"]["clean"]["block_deg"][1]
+    assert h32["seeds"] == 3 and h32["missing"] == {"a_only": 1, "b_only": 0, "both": 0}
+    assert h32["difference"] == pytest.approx(-38 / 3) and (h32["b_better"], h32["a_better"]) == (3, 0)
+    assert (
+        "| clean | block angle error, T only (deg) | 32 | 3 | 21.67 | 9.00 | -12.67 ("
+        in format_comparison(result)
+    )
+    # A report from before the angles: the metric is left out, and the output says so.
+    old = write(tmp_path, "old.json", prediction_report(block))
+    assert main(["compare", old, b]) == 0
+    text = capsys.readouterr().out
+    assert "left out, metrics only in B (the other's reports predate them): block_deg" in text
+    assert "block angle error" not in text and "| clean | block error (px) | 32 | 4 |" in text
+    # Merged with an older report, a side keeps only what all of its reports have.
+    merged = load_side(f"{a},{write(tmp_path, 'old-4.json', prediction_report({4: [1.0, 4.0]}))}")
+    assert "block_deg" not in merged.metrics and "block_px" in merged.metrics
 
 
 def test_reports_that_cannot_be_compared_are_refused(tmp_path):
@@ -278,6 +307,8 @@ def test_predictions_pair_horizons_by_value_and_say_what_was_left_out(tmp_path, 
         "modes_only_b": ["final"],
         "horizons_only_a": [],
         "horizons_only_b": [16],
+        "metrics_only_a": [],
+        "metrics_only_b": [],
     }
     h8, h32 = result["modes"]["clean"]["block_px"]
     assert (h8["mean_a"], h8["mean_b"], h8["difference"]) == (1.5, 2.0, 0.5)

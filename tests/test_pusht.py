@@ -379,10 +379,36 @@ def test_evaluate_reports_every_horizon_for_model_and_baseline(pusht):
             for i, h in enumerate(per_seed["horizons"]):
                 found = [r[i] for r in rows if r[i] is not None]
                 assert np.mean(found) == pytest.approx(report["modes"][mode][metric][h - 1], abs=1e-3)
-        shapes = per_seed[mode]["block_t_shape"]
+        shapes, angles = per_seed[mode]["block_t_shape"], per_seed[mode]["block_deg"]
         for i, h in enumerate(per_seed["horizons"]):
             assert np.mean([r[i] for r in shapes]) == report["block_t_shape"][mode][str(h)]
+            # An angle exactly where the block is a T; their mean is the report's.
+            assert [r[i] is not None for r in angles] == [r[i] for r in shapes]
+            found = [r[i] for r in angles if r[i] is not None]
+            assert np.mean(found) == pytest.approx(report["block_angle_deg"][mode][str(h)], abs=1e-3)
+        # One chunk ahead of the true first frame the block's angle is right within a few degrees.
+        assert all(r[0] < 5 for r in angles)
+    assert "| model, clean | block angle error, T only (deg) |" in table
     json.dumps(per_seed, allow_nan=False)  # strict JSON: a lost object is null, not NaN
+
+
+def test_block_angles_of_true_frames_match_the_recorded_ones():
+    """The fitted angle of the true frames is the environment's own (the fit's error aside),
+    and the copy baseline's angle error is how far the block has turned."""
+    import math
+
+    from streamworld.pusht.evaluate import angle_error, block_angle, record_eval_episode
+
+    assert angle_error(math.radians(359), math.radians(1)) == pytest.approx(2.0)
+    assert angle_error(0.5, 0.5) == 0 and math.isnan(angle_error(math.nan, 0.5))
+    turned = []
+    for seed in range(4):
+        ep = record_eval_episode(seed, 24, 64)
+        assert ep.angles.shape == (25,)
+        errors = [angle_error(block_angle(ep.frames[h]), ep.angles[h]) for h in (0, 8, 16, 24)]
+        assert np.nanmax(errors) < 2.5 and sum(math.isnan(e) for e in errors) <= 1
+        turned.append(angle_error(ep.angles[0], ep.angles[24]))
+    assert max(turned) > 5  # some block turns, so the test above could fail
 
 
 def test_teacher_forced_evaluation_predicts_from_the_true_past(pusht):

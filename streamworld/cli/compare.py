@@ -40,9 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--metric",
         action="append",
         dest="metrics",
-        choices=("block_px", "block_t_shape", "psnr", "agent_px"),
-        help="prediction metrics to print; repeat for several (default: block_px, block_t_shape and psnr; "
-        "--json always holds all)",
+        choices=("block_px", "block_t_shape", "block_deg", "psnr", "agent_px"),
+        help="prediction metrics to print; repeat for several (default: block_px, block_t_shape, block_deg "
+        "and psnr; --json always holds all). block_deg, the block's angle error where it is a T, is in "
+        "reports since 2026-12-05; with an older report it is left out, and the output says so",
     )
     parser.add_argument(
         "--resamples",

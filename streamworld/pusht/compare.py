@@ -23,7 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +56,15 @@ PREDICTION_SETTINGS = ("model", "weights", "prediction", "horizon", "frame_size"
 PAIRING_SETTINGS = {"plan": ("goal_steps", "budget"), "prediction": ("frame_size",)}
 
 # Per-seed metrics of a prediction report, and whether a larger value is better.
-HIGHER_IS_BETTER = {"block_px": False, "agent_px": False, "psnr": True, "block_t_shape": True}
+HIGHER_IS_BETTER = {
+    "block_px": False,
+    "agent_px": False,
+    "psnr": True,
+    "block_t_shape": True,
+    "block_deg": False,
+}
+# Metrics that reports before them lack; a comparison leaves out one that a side lacks.
+ADDED_METRICS = frozenset({"block_deg"})
 BOOTSTRAP_RESAMPLES = 10_000
 
 
@@ -74,6 +82,7 @@ class Side:
     settings: dict  # the settings of its first report (all of its reports share them)
     by_seed: dict  # plan: seed -> episode; prediction: mode -> seed -> {metric: [per horizon]}
     horizons: list[int]  # prediction reports only
+    metrics: set[str] = field(default_factory=lambda: set(HIGHER_IS_BETTER))  # those all its reports have
 
 
 def expand(spec: str) -> list[Path]:
@@ -189,12 +198,13 @@ def _merge_per_seed(side: Side, report: dict, path: Path) -> None:
         rows = per_seed.get(mode)
         if not isinstance(rows, dict):
             raise CompareError(f"{path}: per_seed has no results for {mode}")
+        side.metrics &= set(HIGHER_IS_BETTER) - (ADDED_METRICS - rows.keys())
         table = side.by_seed.setdefault(mode, {})
         for i, seed in enumerate(seeds):
             if seed in table:
                 raise CompareError(f"{path}: seed {seed} appears twice in one side")
             try:
-                values = {metric: [_number(v) for v in _row(rows[metric][i])] for metric in HIGHER_IS_BETTER}
+                values = {metric: [_number(v) for v in _row(rows[metric][i])] for metric in side.metrics}
             except (KeyError, IndexError, TypeError):
                 values = None
             if values is None or any(len(v) != len(horizons) for v in values.values()):
@@ -306,6 +316,8 @@ def _compare_predictions(a: Side, b: Side, horizons: list[int], resamples: int, 
         ta, tb = a.by_seed[mode], b.by_seed[mode]
         results[mode] = {}
         for metric, higher in HIGHER_IS_BETTER.items():
+            if metric not in a.metrics or metric not in b.metrics:
+                continue
             rows = []
             for h in horizons:
                 ia, ib = a.horizons.index(h), b.horizons.index(h)
@@ -321,6 +333,8 @@ def _compare_predictions(a: Side, b: Side, horizons: list[int], resamples: int, 
             "modes_only_b": [m for m in b.by_seed if m not in a.by_seed],
             "horizons_only_a": [h for h in a.horizons if h not in horizons],
             "horizons_only_b": [h for h in b.horizons if h not in horizons],
+            "metrics_only_a": sorted(a.metrics - b.metrics),
+            "metrics_only_b": sorted(b.metrics - a.metrics),
         },
         "modes": results,
     }
@@ -368,16 +382,21 @@ METRIC_LABELS = {
     "agent_px": "agent error (px)",
     "psnr": "PSNR (dB)",
     "block_t_shape": "block is a T (share)",
+    "block_deg": "block angle error, T only (deg)",
 }
 LEFT_OUT_LABELS = (
     ("modes_only_a", "modes only in A"),
     ("modes_only_b", "modes only in B"),
     ("horizons_only_a", "horizons only in A"),
     ("horizons_only_b", "horizons only in B"),
+    ("metrics_only_a", "metrics only in A (the other's reports predate them)"),
+    ("metrics_only_b", "metrics only in B (the other's reports predate them)"),
 )
 
 
-def format_comparison(result: dict, metrics: tuple[str, ...] = ("block_px", "block_t_shape", "psnr")) -> str:
+def format_comparison(
+    result: dict, metrics: tuple[str, ...] = ("block_px", "block_t_shape", "block_deg", "psnr")
+) -> str:
     """The comparison as text: which reports, the seeds paired, and a Markdown table."""
     lines = [f"{name}: {_side_line(result[name.lower()])}" for name in ("A", "B")]
     unpaired = result["unpaired_seeds"]
@@ -418,7 +437,7 @@ def _prediction_table(result: dict, metrics: tuple[str, ...]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, per_metric in result["modes"].items():
-        for metric in metrics:
+        for metric in (m for m in metrics if m in per_metric):  # both sides have it
             for h, row in zip(result["horizons"], per_metric[metric], strict=True):
                 lines.append(f"| {mode} | {METRIC_LABELS[metric]} | {h} | {_prediction_cells(row)} |")
     return lines

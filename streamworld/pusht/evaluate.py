@@ -17,7 +17,11 @@ h (frames after the first), over all seeds:
 - at the horizons of `REPORT_HORIZONS`, how often the predicted block is still a T
   (`block_t_shape`): its fitted T's mismatch (`pose.fit_block`) is within
   `pose.MAX_MISMATCH`, the bound that true frames meet with room to spare. A block that
-  blurs into a blob, or vanishes, is not.
+  blurs into a blob, or vanishes, is not;
+- at those horizons, where the predicted block is a T, how far its fitted angle is from the
+  true block's (`block_angle_deg`, degrees), beside how far the true block has turned since
+  the first frame (the copy baseline's angle error). Turning the block is what planning
+  through the model fails at most (`docs/planning.md`).
 
 The report keeps each seed's block and agent errors, PSNR and T shape at those horizons
 (`per_seed`), so that `streamworld compare` can test two reports seed by seed.
@@ -56,7 +60,7 @@ from .world import PushTWorld, locate
 POLICY_SEED_OFFSET = 500_000
 REPORT_HORIZONS = (1, 2, 4, 8, 16, 24, 32)
 # The metrics the report also keeps per seed (`per_seed`), at the report horizons.
-PER_SEED_METRICS = ("block_px", "agent_px", "psnr")
+PER_SEED_METRICS = ("block_px", "agent_px", "psnr", "block_deg")
 
 
 # Classes of the block's motion over one chunk (`motion_breakdown`): its move over the chunk
@@ -95,18 +99,20 @@ class Episode:
     seed: int
     frames: np.ndarray  # uint8 [horizon + 1, S, S, 3]: frame 0 and the true future
     actions: np.ndarray  # float32 [horizon, 2]
+    angles: np.ndarray  # float64 [horizon + 1]: the block's true angle (radians) in each frame
 
 
 def record_eval_episode(seed: int, horizon: int, size: int) -> Episode:
     world = PushTWorld(size)
     policy = ScriptedPolicy(seed + POLICY_SEED_OFFSET)
     frames = [world.reset(seed)]
-    actions = []
+    actions, angles = [], [world.scene.block[2]]
     for _ in range(horizon):
         actions.append(policy(world.scene))
         frames.append(world.step(actions[-1]))
+        angles.append(world.scene.block[2])
     world.close()
-    return Episode(seed, np.stack(frames), np.asarray(actions, np.float32))
+    return Episode(seed, np.stack(frames), np.asarray(actions, np.float32), np.asarray(angles, np.float64))
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -167,8 +173,19 @@ def frame_metrics(pred: np.ndarray, true: np.ndarray) -> dict[str, float]:
 
 def is_t_shaped(frame: np.ndarray) -> bool:
     """Whether the frame's block is visible and fits a T (`pose.fit_block`)."""
+    return not math.isnan(block_angle(frame))
+
+
+def block_angle(frame: np.ndarray) -> float:
+    """The angle (radians) of the frame's block where it is visible and fits a T
+    (`pose.fit_block`), else nan."""
     fit = fit_block(frame)
-    return fit is not None and fit[1] <= MAX_MISMATCH
+    return fit[0][2] if fit is not None and fit[1] <= MAX_MISMATCH else math.nan
+
+
+def angle_error(a: float, b: float) -> float:
+    """|a - b| in degrees, the short way round (nan if either is)."""
+    return abs(math.degrees((a - b + math.pi) % (2 * math.pi) - math.pi))
 
 
 @dataclass
@@ -178,6 +195,7 @@ class _Predictor:
     rows: list[list[dict[str, float]]] = field(default_factory=list)  # per seed, per horizon
     seconds: float = 0.0
     shapes: dict[int, list[bool]] = field(default_factory=dict)  # horizon -> block is a T, per seed
+    angles: dict[int, list[float]] = field(default_factory=dict)  # horizon -> angle error (deg) or nan
     motion: list[tuple[str, float, float]] = field(default_factory=list)  # `chunk_motion` rows
 
 
@@ -202,24 +220,34 @@ def evaluate(
     generator = ReferenceGenerator(model)
     names = list(kv_modes) + (["teacher-forced"] if teacher_forced else [])
     shape_horizons = [h for h in REPORT_HORIZONS if h <= horizon]
-    predictors = {name: _Predictor(shapes={h: [] for h in shape_horizons}) for name in names}
+    predictors = {
+        name: _Predictor(shapes={h: [] for h in shape_horizons}, angles={h: [] for h in shape_horizons})
+        for name in names
+    }
     baseline: list[list[dict[str, float]]] = []
+    turned: dict[int, list[float]] = {h: [] for h in shape_horizons}  # the copy baseline's angle error
     bar = tqdm(total=len(seeds) * len(names), desc="evaluating pusht", unit="rollout", disable=not progress)
     for seed in seeds:
         ep = record_eval_episode(seed, num_chunks * fpc, cfg.height)
         baseline.append([frame_metrics(ep.frames[0], ep.frames[h]) for h in range(1, horizon + 1)])
+        for h in shape_horizons:
+            turned[h].append(angle_error(ep.angles[0], ep.angles[h]))
         for name, scored in predictors.items():
             start = time.perf_counter()
             pred = _predict(generator, ep, name, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
             scored.seconds += time.perf_counter() - start
             scored.rows.append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
             for h in shape_horizons:
-                scored.shapes[h].append(is_t_shaped(pred[h - 1]))
+                angle = block_angle(pred[h - 1])
+                scored.shapes[h].append(not math.isnan(angle))
+                scored.angles[h].append(angle_error(angle, ep.angles[h]))
             if name == "teacher-forced":
                 scored.motion += chunk_motion(ep, scored.rows[-1], fpc, horizon)
             bar.update()
     bar.close()
-    return _report(cfg, seeds, horizon, baseline, predictors, frames_made=len(seeds) * num_chunks * fpc)
+    return _report(
+        cfg, seeds, horizon, baseline, predictors, turned, frames_made=len(seeds) * num_chunks * fpc
+    )
 
 
 def _report(
@@ -228,10 +256,16 @@ def _report(
     horizon: int,
     baseline: list,
     predictors: dict[str, _Predictor],
+    turned: dict[int, list[float]],
     frames_made: int,
 ) -> dict:
-    """`evaluate`'s report: per-horizon means, T shapes, speed, and the teacher-forced split."""
+    """`evaluate`'s report: per-horizon means, T shapes and angles, speed, and the
+    teacher-forced split."""
     forced = predictors.get("teacher-forced")
+
+    def means(by_horizon: dict[int, list[float]]) -> dict[str, float]:
+        return {str(h): round(_nanmean(v), 4) for h, v in by_horizon.items()}
+
     return {
         "model": cfg.id,
         "seeds": [seeds[0], seeds[-1]] if seeds == list(range(seeds[0], seeds[-1] + 1)) else seeds,
@@ -245,6 +279,11 @@ def _report(
         "block_t_shape": {
             name: {str(h): round(float(np.mean(v)), 4) for h, v in p.shapes.items()}
             for name, p in predictors.items()
+        },
+        # Mean over the seeds where the predicted block is a T (the baseline: every seed).
+        "block_angle_deg": {
+            "copy first frame": means(turned),
+            **{name: means(p.angles) for name, p in predictors.items()},
         },
         "generation_fps": {name: round(frames_made / p.seconds, 1) for name, p in predictors.items()},
         "per_seed": _per_seed(seeds, horizon, predictors),
@@ -261,8 +300,11 @@ def _per_seed(seeds: list[int], horizon: int, predictors: dict[str, _Predictor])
     out: dict = {"seeds": list(seeds), "horizons": hs}
     for name, p in predictors.items():
         out[name] = {
-            key: [[_finite_or_none(r[h - 1][key]) for h in hs] for r in p.rows] for key in PER_SEED_METRICS
+            key: [[_finite_or_none(r[h - 1][key]) for h in hs] for r in p.rows]
+            for key in PER_SEED_METRICS
+            if key != "block_deg"
         }
+        out[name]["block_deg"] = [[_finite_or_none(p.angles[h][i]) for h in hs] for i in range(len(seeds))]
         out[name]["block_t_shape"] = [[p.shapes[h][i] for h in hs] for i in range(len(seeds))]
     return out
 
@@ -384,4 +426,10 @@ def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) ->
     for mode, shares in report.get("block_t_shape", {}).items():
         cells = [_cell(shares.get(str(h), math.nan), 2) for h in hs]
         lines.append(f"| model, {mode} | block is a T (share) | " + " | ".join(cells) + " |")
+    for name, angles in report.get("block_angle_deg", {}).items():
+        cells = " | ".join(_cell(angles.get(str(h), math.nan), 1) for h in hs)
+        if name == "copy first frame":
+            lines.append(f"| {name} | block turned since frame 0 (deg) | {cells} |")
+        else:
+            lines.append(f"| model, {name} | block angle error, T only (deg) | {cells} |")
     return "\n".join(lines)

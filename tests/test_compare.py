@@ -172,8 +172,12 @@ def test_block_angles_are_compared_where_both_sides_have_them(tmp_path, capsys):
     block = {s: [1.0, 4.0] for s in range(4)}
     a_angles = {0: [2.0, 20.0], 1: [1.0, 15.0], 2: [3.0, 30.0], 3: [1.0, None]}
     b_angles = {0: [2.0, 5.0], 1: [1.0, 10.0], 2: [3.0, 12.0], 3: [1.0, 8.0]}
-    a = write(tmp_path, "a.json", prediction_report(block, angles=a_angles))
-    b = write(tmp_path, "b.json", prediction_report(block, angles=b_angles, weights="r17.safetensors"))
+    a = write(tmp_path, "a.json", prediction_report(block, angles=a_angles, t_shape_mismatch=0.2))
+    b = write(
+        tmp_path,
+        "b.json",
+        prediction_report(block, angles=b_angles, weights="r17.safetensors", t_shape_mismatch=0.2),
+    )
     result = compare(load_side(a), load_side(b))
     h32 = result["modes"]["clean"]["block_deg"][1]
     assert h32["seeds"] == 3 and h32["missing"] == {"a_only": 1, "b_only": 0, "both": 0}
@@ -182,15 +186,29 @@ def test_block_angles_are_compared_where_both_sides_have_them(tmp_path, capsys):
         "| clean | block angle error, T only (deg) | 32 | 3 | 21.67 | 9.00 | -12.67 ("
         in format_comparison(result)
     )
-    # A report from before the angles: the metric is left out, and the output says so.
+    # A report from before the angles, whose T bound was looser: both T metrics are left
+    # out, and the output says why.
     old = write(tmp_path, "old.json", prediction_report(block))
     assert main(["compare", old, b]) == 0
     text = capsys.readouterr().out
     assert "left out, metrics only in B (the other's reports predate them): block_deg" in text
-    assert "block angle error" not in text and "| clean | block error (px) | 32 | 4 |" in text
-    # Merged with an older report, a side keeps only what all of its reports have.
-    merged = load_side(f"{a},{write(tmp_path, 'old-4.json', prediction_report({4: [1.0, 4.0]}))}")
+    assert (
+        "left out, metrics measured with another bound for a T (0.35 before 2026-12-05): block_t_shape"
+        in text
+    )
+    assert "block angle error" not in text and "block is a T" not in text
+    assert "| clean | block error (px) | 32 | 4 |" in text
+    # Two old reports share their bound: the T share is compared.
+    assert "| clean | block is a T (share) | 32 |" in format_comparison(
+        compare(load_side(old), load_side(old))
+    )
+    # Merged with an older report, a side keeps only what all of its reports have; here the
+    # bounds differ within the side, which is refused.
+    old4 = write(tmp_path, "old-4.json", prediction_report({4: [1.0, 4.0]}, t_shape_mismatch=0.2))
+    merged = load_side(f"{a},{old4}")
     assert "block_deg" not in merged.metrics and "block_px" in merged.metrics
+    with pytest.raises(CompareError, match="t_shape_mismatch"):
+        load_side(f"{a},{old}")
 
 
 def test_reports_that_cannot_be_compared_are_refused(tmp_path):
@@ -309,6 +327,7 @@ def test_predictions_pair_horizons_by_value_and_say_what_was_left_out(tmp_path, 
         "horizons_only_b": [16],
         "metrics_only_a": [],
         "metrics_only_b": [],
+        "metrics_other_t_bound": [],
     }
     h8, h32 = result["modes"]["clean"]["block_px"]
     assert (h8["mean_a"], h8["mean_b"], h8["difference"]) == (1.5, 2.0, 0.5)
@@ -325,3 +344,37 @@ def test_the_bootstrap_interval_is_drawn_in_blocks_the_same_way():
     d = rng.normal(0.2, 1.0, 5000)
     low, high = bootstrap_interval(d, 2000, 0)
     assert low < d.mean() < high and high - low < 0.1
+
+
+def test_the_plan_breakdown_splits_goals_by_what_the_task_asks(tmp_path, capsys):
+    """benchmarks/plan_breakdown.py: each task lands in one bin of each split (turns only
+    for goals that move the block), and each side's goals are counted in their task's bin,
+    over the seeds every side has."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_breakdown.py"
+    spec = importlib.util.spec_from_file_location("plan_breakdown", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    demands = {s: bench.task_demands(s, 25) for s in range(12)}
+    assert {move < 1 for move, _ in demands.values()} == {True, False}  # both kinds of goal
+    assert all(0 <= turn <= 180 for _, turn in demands.values())
+    a = write(tmp_path, "a.json", plan_report({s: s % 2 == 0 for s in range(12)}))
+    b = write(tmp_path, "b.json", plan_report({s: s < 6 for s in range(13)}))  # seed 12: A lacks it
+    out = tmp_path / "rows.json"
+    assert bench.main([a, b, "--names", "even,low", "--json", str(out)]) == 0
+    assert "12 seeds shared by every side; goals reached: even 6, low 6" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    moves = [r for r in rows if r["split"] == "block move"]
+    turns = [r for r in rows if r["split"] == "block turn"]
+    assert sum(r["tasks"] for r in moves) == 12
+    assert sum(r["tasks"] for r in turns) == sum(move >= 1 for move, _ in demands.values())
+    still = [s for s, (move, _) in demands.items() if move < 1]
+    assert moves[0]["tasks"] == len(still) and moves[0]["reached"] == {
+        "even": sum(s % 2 == 0 for s in still),
+        "low": sum(s < 6 for s in still),
+    }
+    assert sum(r["reached"]["even"] for r in moves) == 6
+    with pytest.raises(SystemExit):
+        bench.main([a, b, "--names", "one"])
+    assert "--names gives 1 names for 2 sides" in capsys.readouterr().err

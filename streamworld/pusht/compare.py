@@ -52,7 +52,15 @@ PLAN_SETTINGS = (
     "shape_weight",
     "cem",
 )
-PREDICTION_SETTINGS = ("model", "weights", "prediction", "horizon", "frame_size", "timesteps")
+PREDICTION_SETTINGS = (
+    "model",
+    "weights",
+    "prediction",
+    "horizon",
+    "frame_size",
+    "timesteps",
+    "t_shape_mismatch",
+)
 PAIRING_SETTINGS = {"plan": ("goal_steps", "budget"), "prediction": ("frame_size",)}
 
 # Per-seed metrics of a prediction report, and whether a larger value is better.
@@ -65,6 +73,9 @@ HIGHER_IS_BETTER = {
 }
 # Metrics that reports before them lack; a comparison leaves out one that a side lacks.
 ADDED_METRICS = frozenset({"block_deg"})
+# Metrics that depend on when a block counts as a T (the report's `t_shape_mismatch`; absent
+# before 2026-12-05, when the bound was 0.35); left out when the sides' bounds differ.
+T_METRICS = frozenset({"block_t_shape", "block_deg"})
 BOOTSTRAP_RESAMPLES = 10_000
 
 
@@ -311,12 +322,14 @@ def _compare_predictions(a: Side, b: Side, horizons: list[int], resamples: int, 
         )
     # Within a side every mode holds the same seeds, so the first mode's pairing is every mode's.
     seeds, unpaired = _paired_seeds(a.by_seed[modes[0]], b.by_seed[modes[0]])
+    bound = "t_shape_mismatch"
+    other_bound = sorted(T_METRICS & a.metrics & b.metrics) if a.settings[bound] != b.settings[bound] else []
     results: dict = {}
     for mode in modes:
         ta, tb = a.by_seed[mode], b.by_seed[mode]
         results[mode] = {}
         for metric, higher in HIGHER_IS_BETTER.items():
-            if metric not in a.metrics or metric not in b.metrics:
+            if metric not in a.metrics or metric not in b.metrics or metric in other_bound:
                 continue
             rows = []
             for h in horizons:
@@ -335,6 +348,7 @@ def _compare_predictions(a: Side, b: Side, horizons: list[int], resamples: int, 
             "horizons_only_b": [h for h in b.horizons if h not in horizons],
             "metrics_only_a": sorted(a.metrics - b.metrics),
             "metrics_only_b": sorted(b.metrics - a.metrics),
+            "metrics_other_t_bound": other_bound,
         },
         "modes": results,
     }
@@ -391,6 +405,10 @@ LEFT_OUT_LABELS = (
     ("horizons_only_b", "horizons only in B"),
     ("metrics_only_a", "metrics only in A (the other's reports predate them)"),
     ("metrics_only_b", "metrics only in B (the other's reports predate them)"),
+    (
+        "metrics_other_t_bound",
+        "metrics measured with another bound for a T (0.35 before 2026-12-05)",
+    ),
 )
 
 

@@ -173,7 +173,8 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         default=MAX_MISMATCH,
         help="with --rollout-targets simulated: how far a context block may be from a T shape "
         "(the fit's squared error per pixel of the T; true frames stay below 0.16) and still get a "
-        f"simulated target (default {MAX_MISMATCH})",
+        f"simulated target (default {MAX_MISMATCH}; `eval` counts a block as a T within 0.2, since "
+        "blurred blobs fit a T within 0.25-0.4 with their angle far off: docs/pusht.md)",
     )
     group.add_argument(
         "--rollout-every",

@@ -22,7 +22,7 @@ h (frames after the first), over all seeds:
   the first frame (the copy baseline's angle error). Turning the block is what planning
   through the model fails at most (`docs/planning.md`).
 
-The report keeps each seed's block and agent errors, PSNR and T shape at those horizons
+The report keeps each seed's block and agent errors, PSNR, T shape and block angle at those horizons
 (`per_seed`), so that `streamworld compare` can test two reports seed by seed.
 
 With `teacher_forced`, one more predictor, `teacher-forced`: every chunk is predicted from

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -209,6 +210,20 @@ def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monke
     monkeypatch.undo()
     assert cli_main([*base[:-1], "3"]) == 0  # a longer schedule resumes
     assert json.loads((work / "train_summary.json").read_text())["step"] == 3
+    # In Python: the Trainer checks too, and one given no run settings keeps the recorded ones.
+    from streamworld.pusht.data import DatasetSpec
+    from streamworld.pusht.train import TrainConfig, Trainer, prepare_data, smoke_config
+
+    state = torch.load(work / "checkpoint.pt", weights_only=False)
+    recorded, config = state["run_settings"], TrainConfig(**state["train_config"])
+    data = prepare_data(work / "data", DatasetSpec(**recorded["data"]))
+    model = smoke_config(get_preset("pusht"))
+    with pytest.raises(ValueError, match=r"lr: 0\.0003 in the checkpoint, 0\.001 now"):
+        Trainer(model, dataclasses.replace(config, lr=1e-3), data, work, "cpu")
+    trainer = Trainer(model, config, data, work, "cpu")
+    assert trainer.step == 3 and trainer.run_settings == recorded
+    trainer.save_checkpoint()
+    assert torch.load(work / "checkpoint.pt", weights_only=False)["run_settings"] == recorded
 
 
 @pytest.mark.parametrize(
@@ -382,21 +397,44 @@ def test_evaluate_reports_every_horizon_for_model_and_baseline(pusht):
         shapes, angles = per_seed[mode]["block_t_shape"], per_seed[mode]["block_deg"]
         for i, h in enumerate(per_seed["horizons"]):
             assert np.mean([r[i] for r in shapes]) == report["block_t_shape"][mode][str(h)]
-            # An angle exactly where the block is a T; their mean is the report's.
-            assert [r[i] is not None for r in angles] == [r[i] for r in shapes]
+            # Angles in [0, 180] where the block is a T; their mean is the report's.
             found = [r[i] for r in angles if r[i] is not None]
+            assert all(0 <= a <= 180 for a in found)
             assert np.mean(found) == pytest.approx(report["block_angle_deg"][mode][str(h)], abs=1e-3)
-        # One chunk ahead of the true first frame the block's angle is right within a few degrees.
-        assert all(r[0] < 5 for r in angles)
+        # One chunk ahead of the true first frame the block is a T, its angle right within a few degrees.
+        assert all(r[0] is not None and r[0] < 5 for r in angles)
     assert "| model, clean | block angle error, T only (deg) |" in table
     json.dumps(per_seed, allow_nan=False)  # strict JSON: a lost object is null, not NaN
+    json.dumps(report["block_angle_deg"], allow_nan=False)  # no T at a horizon: null
+
+
+def test_the_angle_mean_is_null_where_no_block_is_a_t():
+    """A horizon where no predicted block is a T has no mean angle: null in the JSON, "n/a"
+    in the table, where a NaN would make the report invalid JSON."""
+    from streamworld.pusht.evaluate import _Predictor, _report
+
+    cfg = get_preset("pusht")
+    metrics = {
+        "psnr": 30.0,
+        "ssim": 0.9,
+        "agent_px": 0.5,
+        "block_px": 1.0,
+        "agent_lost": 0.0,
+        "block_lost": 0.0,
+    }
+    rows = [[metrics] * 2]
+    blob = _Predictor(
+        rows=rows, seconds=1.0, shapes={1: [False], 2: [True]}, angles={1: [math.nan], 2: [3.0]}
+    )
+    report = _report(cfg, [0], 2, rows, {"clean": blob}, {1: [0.5], 2: [1.0]}, frames_made=2)
+    assert report["block_angle_deg"]["clean"] == {"1": None, "2": 3.0}
+    json.dumps(report["block_angle_deg"], allow_nan=False)
+    assert "| model, clean | block angle error, T only (deg) | n/a | 3.0 |" in markdown_table(report, (1, 2))
 
 
 def test_block_angles_of_true_frames_match_the_recorded_ones():
     """The fitted angle of the true frames is the environment's own (the fit's error aside),
     and the copy baseline's angle error is how far the block has turned."""
-    import math
-
     from streamworld.pusht.evaluate import angle_error, block_angle, record_eval_episode
 
     assert angle_error(math.radians(359), math.radians(1)) == pytest.approx(2.0)

@@ -29,7 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "example: streamworld compare 'shipped-seeds*.json' 'round17-seeds*.json'. "
             "Seeds in only one side are left out and counted. Exit status 2 for reports that cannot "
             "be compared (different kinds, different goal steps, budget or frame size, a seed twice in "
-            "one side, reports of one side that differ in what they evaluated)."
+            "one side, reports of one side that differ in what they evaluated, including their bound "
+            "for a T: reports from before 2026-12-05 used 0.35, later ones 0.2). Across the two sides, "
+            "T metrics measured with different bounds, and metrics one side's reports predate, are "
+            "left out, and the output names them."
         ),
     )
     parser.add_argument(

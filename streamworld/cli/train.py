@@ -29,8 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "with flow matching. A run stops after --minutes of training (SIGTERM or Ctrl-C stop it "
             "early the same way, after the current step) and saves a checkpoint in --workdir; running "
             "the same command again resumes it, until --total-steps (a resume may change --total-steps, "
-            "--compile and --workers; other changed settings are refused, naming them, before any data "
-            "is recorded). Every run exports the EMA weights "
+            "--compile and --workers; a changed training setting, data spec, --prediction or --init file "
+            "is refused, naming it, before any data is recorded). Every run exports the EMA weights "
             "(float16 safetensors), which `streamworld serve --model pusht --dit PATH` serves "
             "instead of the built-in ones. The "
             "recipe is in docs/pusht.md."
@@ -172,7 +172,7 @@ def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=MAX_MISMATCH,
         help="with --rollout-targets simulated: how far a context block may be from a T shape "
-        "(the fit's squared error per pixel of the T; true frames stay below 0.16) and still get a "
+        "(the fit's squared error per pixel of the T; 99%% of true frames stay below 0.16) and still get a "
         f"simulated target (default {MAX_MISMATCH}; `eval` counts a block as a T within 0.2, since "
         "blurred blobs fit a T within 0.25-0.4 with their angle far off: docs/pusht.md)",
     )

@@ -263,8 +263,10 @@ def _report(
     teacher-forced split."""
     forced = predictors.get("teacher-forced")
 
-    def means(by_horizon: dict[int, list[float]]) -> dict[str, float]:
-        return {str(h): round(_nanmean(v), 4) for h, v in by_horizon.items()}
+    def means(by_horizon: dict[int, list[float]]) -> dict[str, float | None]:
+        """Per horizon, the mean over the seeds with a value; None (JSON null) where none has
+        one (no predicted block is a T there)."""
+        return {str(h): _finite_or_none(_nanmean(v)) for h, v in by_horizon.items()}
 
     return {
         "model": cfg.id,
@@ -396,8 +398,8 @@ def true_latents(model: WorldModel, frames: np.ndarray) -> torch.Tensor:
     return frames_to_latents(video, model.config.anchored_pixels)[0, :, 1:]
 
 
-def _cell(value: float, digits: int) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+def _cell(value: float | None, digits: int) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
 def markdown_table(report: dict, horizons: tuple[int, ...] = REPORT_HORIZONS) -> str:

@@ -790,6 +790,8 @@ class Trainer:
             return
         state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
         check_resume(self.checkpoint_path, state, self.mcfg, self.cfg, self.run_settings)
+        if not self.run_settings:  # a caller that gives none keeps what the checkpoint records
+            self.run_settings = state.get("run_settings", {})
         self.dit.load_state_dict(state["dit"])
         self.ema = state["ema"]
         self.opt.load_state_dict(state["opt"])

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from streamworld.pusht.compare import CompareError, load_side
 from streamworld.pusht.planning import make_task
+from streamworld.pusht.world import angle_error
 
 # Bins: the block's move from start to goal (world units), and its turn (degrees) for goals
 # that move it at least STILL_UNITS.
@@ -46,9 +47,7 @@ def task_demands(seed: int, goal_steps: int) -> tuple[float, float]:
     world, _ = task.start(SIZE)
     start = world.scene
     world.close()
-    move = math.dist(start.block[:2], task.goal.block[:2])
-    turn = math.remainder(start.block[2] - task.goal.block[2], 2 * math.pi)
-    return move, abs(math.degrees(turn))
+    return math.dist(start.block[:2], task.goal.block[:2]), angle_error(start.block[2], task.goal.block[2])
 
 
 def _label(lo: float, hi: float, unit: str) -> str:

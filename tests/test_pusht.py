@@ -423,9 +423,7 @@ def test_the_angle_mean_is_null_where_no_block_is_a_t():
         "block_lost": 0.0,
     }
     rows = [[metrics] * 2]
-    blob = _Predictor(
-        rows=rows, seconds=1.0, shapes={1: [False], 2: [True]}, angles={1: [math.nan], 2: [3.0]}
-    )
+    blob = _Predictor(rows=rows, seconds=1.0, angles={1: [math.nan], 2: [3.0]})
     report = _report(cfg, [0], 2, rows, {"clean": blob}, {1: [0.5], 2: [1.0]}, frames_made=2)
     assert report["block_angle_deg"]["clean"] == {"1": None, "2": 3.0}
     json.dumps(report["block_angle_deg"], allow_nan=False)
@@ -435,7 +433,8 @@ def test_the_angle_mean_is_null_where_no_block_is_a_t():
 def test_block_angles_of_true_frames_match_the_recorded_ones():
     """The fitted angle of the true frames is the environment's own (the fit's error aside),
     and the copy baseline's angle error is how far the block has turned."""
-    from streamworld.pusht.evaluate import angle_error, block_angle, record_eval_episode
+    from streamworld.pusht.evaluate import block_angle, record_eval_episode
+    from streamworld.pusht.world import angle_error
 
     assert angle_error(math.radians(359), math.radians(1)) == pytest.approx(2.0)
     assert angle_error(0.5, 0.5) == 0 and math.isnan(angle_error(math.nan, 0.5))

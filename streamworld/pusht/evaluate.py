@@ -53,7 +53,7 @@ from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.world_model import WorldModel
 from .policy import ScriptedPolicy
 from .pose import fit_block
-from .world import PushTWorld, locate
+from .world import PushTWorld, angle_error, locate
 
 # The policy seed of evaluation episode `seed` (disjoint from the training data's).
 POLICY_SEED_OFFSET = 500_000
@@ -65,7 +65,7 @@ REPORT_HORIZONS = (1, 2, 4, 8, 16, 24, 32)
 # 2026-12-05 used `pose.MAX_MISMATCH` (0.35), which counted many blobs as T's.
 T_SHAPE_MISMATCH = 0.2
 # The metrics the report also keeps per seed (`per_seed`), at the report horizons.
-PER_SEED_METRICS = ("block_px", "agent_px", "psnr", "block_deg")
+PER_SEED_METRICS = ("block_px", "agent_px", "psnr")
 
 
 # Classes of the block's motion over one chunk (`motion_breakdown`): its move over the chunk
@@ -183,20 +183,19 @@ def block_angle(frame: np.ndarray) -> float:
     return fit[0][2] if fit is not None and fit[1] <= T_SHAPE_MISMATCH else math.nan
 
 
-def angle_error(a: float, b: float) -> float:
-    """|a - b| in degrees, the short way round (nan if either is)."""
-    return abs(math.degrees((a - b + math.pi) % (2 * math.pi) - math.pi))
-
-
 @dataclass
 class _Predictor:
     """What one predictor (a KV mode, or teacher-forced) scored over the seeds."""
 
     rows: list[list[dict[str, float]]] = field(default_factory=list)  # per seed, per horizon
     seconds: float = 0.0
-    shapes: dict[int, list[bool]] = field(default_factory=dict)  # horizon -> block is a T, per seed
-    angles: dict[int, list[float]] = field(default_factory=dict)  # horizon -> angle error (deg) or nan
+    # horizon -> per seed, the block's angle error (degrees), nan where the block is no T
+    angles: dict[int, list[float]] = field(default_factory=dict)
     motion: list[tuple[str, float, float]] = field(default_factory=list)  # `chunk_motion` rows
+
+    def is_t(self, h: int) -> list[bool]:
+        """Per seed, whether the predicted block is a T at horizon `h`."""
+        return [not math.isnan(a) for a in self.angles[h]]
 
 
 def evaluate(
@@ -220,10 +219,7 @@ def evaluate(
     generator = ReferenceGenerator(model)
     names = list(kv_modes) + (["teacher-forced"] if teacher_forced else [])
     shape_horizons = [h for h in REPORT_HORIZONS if h <= horizon]
-    predictors = {
-        name: _Predictor(shapes={h: [] for h in shape_horizons}, angles={h: [] for h in shape_horizons})
-        for name in names
-    }
+    predictors = {name: _Predictor(angles={h: [] for h in shape_horizons}) for name in names}
     baseline: list[list[dict[str, float]]] = []
     turned: dict[int, list[float]] = {h: [] for h in shape_horizons}  # the copy baseline's angle error
     bar = tqdm(total=len(seeds) * len(names), desc="evaluating pusht", unit="rollout", disable=not progress)
@@ -238,9 +234,7 @@ def evaluate(
             scored.seconds += time.perf_counter() - start
             scored.rows.append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
             for h in shape_horizons:
-                angle = block_angle(pred[h - 1])
-                scored.shapes[h].append(not math.isnan(angle))
-                scored.angles[h].append(angle_error(angle, ep.angles[h]))
+                scored.angles[h].append(angle_error(block_angle(pred[h - 1]), ep.angles[h]))
             if name == "teacher-forced":
                 scored.motion += chunk_motion(ep, scored.rows[-1], fpc, horizon)
             bar.update()
@@ -280,7 +274,7 @@ def _report(
         "baseline": _summarise(baseline, horizon),
         "modes": {name: _summarise(p.rows, horizon) for name, p in predictors.items()},
         "block_t_shape": {
-            name: {str(h): round(float(np.mean(v)), 4) for h, v in p.shapes.items()}
+            name: {str(h): round(float(np.mean(p.is_t(h))), 4) for h in p.angles}
             for name, p in predictors.items()
         },
         # Mean over the seeds where the predicted block is a T (the baseline: every seed).
@@ -297,18 +291,17 @@ def _report(
 def _per_seed(seeds: list[int], horizon: int, predictors: dict[str, _Predictor]) -> dict:
     """Each seed's own results at the report horizons, for paired comparisons of two reports
     (`streamworld compare`): per predictor, per metric of `PER_SEED_METRICS`, one row per
-    seed, one value per horizon (null where the object was not found), and whether the block
-    is a T."""
+    seed, one value per horizon (null where the object was not found), the block's angle
+    error (`block_deg`, null where it is no T), and whether the block is a T."""
     hs = [h for h in REPORT_HORIZONS if h <= horizon]
     out: dict = {"seeds": list(seeds), "horizons": hs}
     for name, p in predictors.items():
         out[name] = {
-            key: [[_finite_or_none(r[h - 1][key]) for h in hs] for r in p.rows]
-            for key in PER_SEED_METRICS
-            if key != "block_deg"
+            key: [[_finite_or_none(r[h - 1][key]) for h in hs] for r in p.rows] for key in PER_SEED_METRICS
         }
         out[name]["block_deg"] = [[_finite_or_none(p.angles[h][i]) for h in hs] for i in range(len(seeds))]
-        out[name]["block_t_shape"] = [[p.shapes[h][i] for h in hs] for i in range(len(seeds))]
+        shapes = {h: p.is_t(h) for h in hs}
+        out[name]["block_t_shape"] = [[shapes[h][i] for h in hs] for i in range(len(seeds))]
     return out
 
 

@@ -41,7 +41,7 @@ from ..planning import CEMConfig, Plan, Rollouts, cem, close_rollouts
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
 from .proposals import PushProposals
-from .world import PushTWorld, Scene, box_mean, locate, palette_weights
+from .world import PushTWorld, Scene, angle_error, box_mean, locate, palette_weights
 
 GOAL_STEPS = 25
 BUDGET = 50
@@ -94,8 +94,7 @@ def reached(scene: Scene, goal: Scene) -> bool:
 def state_error(scene: Scene, goal: Scene) -> tuple[float, float]:
     """(position distance in world units, absolute angle difference in degrees)."""
     position = math.dist((*scene.agent, *scene.block[:2]), (*goal.agent, *goal.block[:2]))
-    turn = (scene.block[2] - goal.block[2] + math.pi) % (2 * math.pi) - math.pi
-    return position, math.degrees(abs(turn))
+    return position, angle_error(scene.block[2], goal.block[2])
 
 
 def _block_map(weights: np.ndarray) -> np.ndarray:

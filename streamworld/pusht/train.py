@@ -711,7 +711,7 @@ class Trainer:
         self.mcfg = model_config
         self.cfg = train_config
         # What else defines the run (the CLI's data spec and start weights): kept in the
-        # checkpoint, and a resume with other values is refused (`_check_resume`).
+        # checkpoint, and a resume with other values is refused (`check_resume`).
         self.run_settings = run_settings or {}
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ every pixel into the scene's palette, which is how the evaluation measures posit
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -53,6 +54,11 @@ class Scene:
 
     def to_json(self) -> dict:
         return {"agent": list(self.agent), "block": list(self.block)}
+
+
+def angle_error(a: float, b: float) -> float:
+    """|a - b| in degrees for two angles in radians, the short way round (nan if either is)."""
+    return abs(math.degrees((a - b + math.pi) % (2 * math.pi) - math.pi))
 
 
 class PushTWorld:

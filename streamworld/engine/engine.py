@@ -180,7 +180,7 @@ class AsyncEngine:
         return handle
 
     def fork(self, stream_id: int, branches: list[BranchRequest]) -> list[StreamHandle]:
-        """Forks a running stream into branches that share its history (DESIGN.md, forks).
+        """Forks a running stream into branches that share its history (docs/architecture.md, Forks).
 
         The fork point is the stream's next chunk not yet started when the fork is asked:
         the stream starts no chunk until every chunk before it has run and been decoded;

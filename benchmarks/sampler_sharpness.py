@@ -237,7 +237,8 @@ def table(report: dict) -> str:
     for name, s in report["samplers"].items():
         for h, r in s["horizons"].items():
             lines.append(
-                f"| `{name}` | {h} | {r['block_px']:.2f} | {r['t_share']:.0%} | {r['moved_t']} of {r['moved']} "
+                f"| `{name}` | {h} | {r['block_px']:.2f} | {r['t_share']:.0%} "
+                f"| {r['moved_t']} of {r['moved']} "
                 f"| {_degrees(r['moment_angle_error_median'])} | {_degrees(r['turned_since_start_median'])} |"
             )
     return "\n".join(lines)

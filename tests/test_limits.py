@@ -10,6 +10,7 @@ import json
 import struct
 import subprocess
 import sys
+import threading
 import zlib
 
 import numpy as np
@@ -72,6 +73,23 @@ async def test_a_ping_with_nan_gets_bad_request_and_never_a_nan_pong(url):
     assert not any(r["type"] == "pong" and r["id"] != 2 for r in replies)
 
 
+async def test_a_large_message_is_parsed_off_the_event_loop(url, monkeypatch):
+    """Small messages parse on the loop's thread; one over LARGE_MESSAGE_CHARS in a thread
+    of its own, and is answered as any other."""
+    threads = {}
+    parse = protocol.parse_json
+
+    def recording(text):
+        threads[len(text) > protocol.LARGE_MESSAGE_CHARS] = threading.get_ident()
+        return parse(text)
+
+    monkeypatch.setattr(protocol, "parse_json", recording)
+    big = {"type": "ping", "id": 3, "pad": [0] * protocol.LARGE_MESSAGE_CHARS}
+    replies = await session_replies(url, big, {"type": "ping", "id": 4})
+    assert {"type": "pong", "id": 3} in replies and {"type": "pong", "id": 4} in replies
+    assert threads[False] == threading.get_ident() != threads[True]
+
+
 # --- echoed client strings --------------------------------------------------------------------
 @pytest.mark.parametrize("ping_id", [None, 7, -2.5, True, "x" * 128, [1, "a"], {"k": 1}])
 def test_a_short_ping_id_is_echoed(ping_id):
@@ -82,6 +100,20 @@ def test_a_short_ping_id_is_echoed(ping_id):
 def test_a_long_ping_id_is_refused_not_echoed(ping_id):
     message = refusal(protocol.pong, {"type": "ping", "id": ping_id})
     assert "128" in message and len(message) < 200
+
+
+def test_a_ping_id_nested_deeper_than_json_writes_is_refused():
+    nested: list = []
+    for _ in range(100_000):  # what parse_json could hand on where the stack is shallower
+        nested = [nested]
+    message = refusal(protocol.pong, {"type": "ping", "id": nested})
+    assert "128" in message and len(message) < 200
+
+
+def test_integers_quoted_back_are_cut_short():
+    message = refusal(protocol.parse_ack, {"type": "ack", "chunk": 10**4000}, 3)
+    assert "cut from 4001 digits" in message and len(message) < 200
+    assert protocol.excerpt_number(12) == "12"
 
 
 async def test_an_unknown_type_is_echoed_cut_short(url):
@@ -345,6 +377,20 @@ def test_a_png_with_many_compressed_text_chunks_is_refused():
     many = raw[:33] + body * 64 + raw[33:]  # after the signature and IHDR
     assert "metadata" in refusal(protocol.decode_image, b64(many), 64, 64)
     assert protocol.decode_image(b64(raw[:33] + body + raw[33:]), 64, 64).shape == (64, 64, 3)
+
+
+def test_a_png_that_pillow_refuses_with_value_error_is_a_bad_request():
+    """A header chunk cut short, and one metadata chunk that inflates past Pillow's limit
+    for text (1 MiB): Pillow raises ValueError for both, which must be a refusal, not an
+    internal error."""
+    raw = png(64, 64, 2, 8)
+    ihdr = struct.pack(">I", 4) + b"IHDR" + raw[16:20]
+    short = raw[:8] + ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + raw[16:20])) + raw[33:]
+    ztxt = b"Comment\0\0" + zlib.compress(b" " * (2**20 + 2**16))
+    bomb = raw[:33] + struct.pack(">I", len(ztxt)) + b"zTXt" + ztxt
+    bomb += struct.pack(">I", zlib.crc32(b"zTXt" + ztxt))
+    for case in (short, bomb + raw[33:]):
+        assert "PNG or JPEG" in refusal(protocol.decode_image, b64(case), 64, 64)
 
 
 def test_a_small_image_is_resized_to_the_model_and_keeps_its_colours():

@@ -257,6 +257,65 @@ async def test_a_malformed_request_gets_a_short_400_that_echoes_nothing(models, 
     assert errors(caplog) == []
 
 
+STREAM = b"GET /v1/stream?token=t HTTP/1.1\r\nHost: x\r\n"
+CLOSE = b"Connection: close\r\n\r\n"
+
+
+async def raw_reply(host: str, request_bytes: bytes) -> tuple[bytes, bytes]:
+    reader, writer = await asyncio.open_connection(*host.split(":"))
+    writer.write(request_bytes)
+    head = await reader.readuntil(b"\r\n\r\n")  # the connection may stay open: read one reply
+    length = re.search(rb"\r\nContent-Length: (\d+)", head, re.I)
+    body = await reader.readexactly(int(length.group(1))) if length else b""
+    writer.close()
+    return head.split(b"\r\n")[0], body
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n" + CLOSE, 401),
+        (STREAM + b"Upgrade: \xff<script>\r\nConnection: Upgrade\r\n\r\n", 400),
+        (STREAM + b"Upgrade: <script>\r\nConnection: Upgrade\r\n\r\n", 400),
+        (STREAM + CLOSE, 400),
+    ],
+    ids=["token-not-utf8", "upgrade-not-utf8", "upgrade-not-websocket", "no-upgrade"],
+)
+async def test_header_bytes_that_are_not_utf8_or_no_upgrade_get_a_fixed_reply(
+    models,  # noqa: F811
+    caplog,
+    request_bytes,
+    status,
+):
+    """Not a server error, and nothing of the client's headers is repeated."""
+    caplog.set_level(logging.INFO)
+    _, running, host = await start(models, auth_token="t")
+    try:
+        line, body = await raw_reply(host, request_bytes)
+    finally:
+        await running.close()
+    assert f" {status} ".encode() in line, line
+    assert b"script" not in body and len(body) < 128, body
+    assert errors(caplog) == []
+
+
+async def test_an_idle_or_half_sent_http_connection_is_closed_after_the_keepalive_bound(models):  # noqa: F811
+    """serve's runner closes such connections (after 75 s; 0.5 s here). aiohttp's own
+    AppRunner default would hold them an hour."""
+    running = HardenedServer.__new__(HardenedServer)
+    running.runner = StreamWorldServer(models, ONE_SESSION, ServerConfig()).make_runner(keepalive_timeout=0.5)
+    await running.start()
+    try:
+        for sent in (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(sent)
+            assert await asyncio.wait_for(reader.read(), 60) == b""  # closed, nothing sent
+            writer.close()
+    finally:
+        await running.close()
+    assert StreamWorldServer.make_runner.__defaults__ == (10.0, 75.0)
+
+
 def test_serve_flags_set_who_may_connect_and_the_bounds(monkeypatch, capsys):
     from streamworld.cli import build_parser, main
     from streamworld.cli.serve import TOKEN_ENV, serve_config

@@ -5,12 +5,15 @@ an `error` carrying the fork's id while the session goes on."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 
 import numpy as np
 import pytest
 
 from streamworld.client import StreamWorldClient, StreamWorldError
 from streamworld.engine.reference import GenerationRequest, ReferenceGenerator
+from streamworld.server.pacing import Sender
 from tests.conftest import load_tiny
 from tests.test_server import TRANSPORTS, metric, start_server
 
@@ -124,12 +127,42 @@ async def test_cancelling_a_branch_and_leaving_with_branches_running_free_every_
         await c.ping()  # answered after the cancel's reply
         assert c.errors[-1].code == "bad_request" and "no running branch 7" in c.errors[-1].message
     # The client left with the session and the second branch running.
+    await pages_back(http)
+    assert second.done_reason is None
+
+
+async def pages_back(http: str) -> None:
     for _ in range(200):
-        if await metric(http, "streamworld_kv_pages_used") == 0:
+        if await metric(http, "streamworld_kv_pages_used", model="tiny-act") == 0:
             break
         await asyncio.sleep(0.05)
-    assert await metric(http, "streamworld_kv_pages_used") == 0
-    assert second.done_reason is None
+    assert await metric(http, "streamworld_kv_pages_used", model="tiny-act") == 0
+
+
+async def test_a_client_gone_while_a_branch_sends_frees_the_branch_and_is_no_error(
+    served, monkeypatch, caplog
+):
+    """A branch's send that finds the client gone ends the branch at once (its pages back,
+    not held paused on unsent chunks) and logs no error."""
+    url, http = served
+    send = Sender.send
+
+    async def branch_chunks_fail(self, *messages):
+        if any(isinstance(m, dict) and m.get("type") == "chunk" and "branch" in m for m in messages):
+            raise ConnectionResetError("gone")
+        await send(self, *messages)
+
+    monkeypatch.setattr(Sender, "send", branch_chunks_fail)
+    caplog.set_level(logging.INFO)
+    async with StreamWorldClient(url, model="tiny-act", format="jpeg", num_chunks=6) as c:
+        chunks = c.chunks()
+        await chunks.__anext__()
+        await c.fork([{"num_chunks": 64}, {"num_chunks": 64}])
+        assert len([ch async for ch in chunks]) == 5  # the session runs on to its end
+    await pages_back(http)
+    gc.collect()  # an exception no task retrieved is logged when its task goes
+    await asyncio.sleep(0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_the_fork_example_of_the_protocol_doc_runs_as_written(served, models):

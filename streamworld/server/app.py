@@ -107,6 +107,10 @@ class PlainErrorServer(web.Server):
         return PlainErrorHandler(self, loop=self._loop, **self._kwargs)
 
 
+# Seconds an HTTP connection may stay idle or half-sent (aiohttp's run_app uses the same).
+KEEPALIVE_TIMEOUT_S = 75.0
+
+
 class StreamWorldRunner(web.AppRunner):
     """The runner `streamworld serve` (and the tests) run the app under: a client leaving does
     not cancel its handler, and malformed requests get `PlainErrorHandler`."""
@@ -210,11 +214,16 @@ class StreamWorldServer:
         app.on_response_prepare.append(self._name_server)
         return app
 
-    def make_runner(self, shutdown_timeout: float = 10.0) -> StreamWorldRunner:
+    def make_runner(
+        self, shutdown_timeout: float = 10.0, keepalive_timeout: float = KEEPALIVE_TIMEOUT_S
+    ) -> StreamWorldRunner:
+        """`keepalive_timeout`: how long an HTTP connection may sit idle, or with a request
+        not yet complete, before it is closed (an AppRunner's own default is an hour)."""
         return StreamWorldRunner(
             self.build_app(),
             handler_cancellation=False,
             shutdown_timeout=shutdown_timeout,
+            keepalive_timeout=keepalive_timeout,
             access_log_class=AccessLog,
         )
 
@@ -272,7 +281,11 @@ class StreamWorldServer:
 
     def token_ok(self, token: str) -> bool:
         expected = self.config.auth_token
-        return expected is None or hmac.compare_digest(token.encode(), expected.encode())
+        # Header bytes that are not UTF-8 reach here as surrogates: encoded back, not refused
+        # with an exception (they simply do not match).
+        if expected is None:
+            return True
+        return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), expected.encode())
 
     def upgrade_refusal(self, origin: str | None, host: str) -> tuple[int, str] | None:
         """Why a WebSocket upgrade is refused (HTTP status and text), or None."""
@@ -365,8 +378,20 @@ class StreamWorldServer:
             ws = web.WebSocketResponse(
                 max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False
             )
+            if not _can_upgrade(ws, request):
+                raise web.HTTPBadRequest(text="400: not a WebSocket upgrade request\n")
             await ws.prepare(request)
             await self.run_session(AiohttpSocket(ws, request.transport))
             return ws
         finally:
             self.connections -= 1
+
+
+def _can_upgrade(ws: web.WebSocketResponse, request: web.Request) -> bool:
+    """Whether the request is a WebSocket upgrade aiohttp accepts. Its own refusal repeats the
+    client's headers, and raises UnicodeEncodeError instead when they are not UTF-8: the
+    caller answers a fixed 400 either way."""
+    try:
+        return ws.can_prepare(request).ok
+    except UnicodeError:
+        return False

@@ -42,6 +42,12 @@ _IMAGE_MODES = ("1", "L", "P", "LA", "PA", "RGB", "RGBA")
 # Decodes one server should run at once (the session holds a semaphore of this size):
 # together they cost at most this many times MAX_IMAGE_DECODE_BYTES.
 MAX_CONCURRENT_IMAGE_DECODES = 2
+# Client messages longer than this are parsed off the event loop, at most
+# MAX_CONCURRENT_LARGE_PARSES at once per server: JSON of many small values costs about
+# 0.4 s and 20 MiB of Python objects per MiB of text, which on the loop would stall every
+# session's sends. Shorter ones (every action, ping, ack) parse on the loop in under 10 ms.
+LARGE_MESSAGE_CHARS = 16 * 1024
+MAX_CONCURRENT_LARGE_PARSES = 2
 # Longest `type` accepted; every known type is far shorter, and unknown ones are echoed.
 MAX_TYPE_CHARS = 64
 # Client text quoted in an error message is cut to this many characters.
@@ -112,6 +118,14 @@ def _excerpt(text: str) -> str:
     if len(text) > MAX_ECHO_CHARS:
         return repr(text[:MAX_ECHO_CHARS]) + f" (cut from {len(text)} characters)"
     return repr(text)
+
+
+def excerpt_number(n: int) -> str:
+    """A client integer to quote in a message, cut as `_excerpt` cuts text."""
+    text = str(n)
+    if len(text) > MAX_ECHO_CHARS:
+        return f"{text[:MAX_ECHO_CHARS]}... (cut from {len(text)} digits)"
+    return text
 
 
 def parse_json(text: str) -> dict[str, Any]:
@@ -215,7 +229,11 @@ def decode_image(data: str, width: int, height: int) -> np.ndarray:
             if rgb.size != (width, height):
                 rgb = rgb.resize((width, height), Image.Resampling.BICUBIC)
             return np.asarray(rgb, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
+    except ProtocolError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        # Pillow raises ValueError too: a truncated header chunk, a metadata chunk that
+        # inflates past its limit.
         raise ProtocolError("bad_request", "'image' is not a readable PNG or JPEG") from None
 
 
@@ -334,7 +352,9 @@ def parse_ack(msg: dict[str, Any], chunks_sent: int) -> int:
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
         raise ProtocolError("bad_request", "'chunk' must be a chunk index (an integer >= 0)")
     if chunk >= chunks_sent:
-        raise ProtocolError("bad_request", f"ack for chunk {chunk}, but {chunks_sent} chunks have been sent")
+        raise ProtocolError(
+            "bad_request", f"ack for chunk {excerpt_number(chunk)}, but {chunks_sent} chunks have been sent"
+        )
     return chunk
 
 
@@ -399,8 +419,11 @@ def parse_branch_cancel(msg: dict[str, Any]) -> int:
 def echo_id(msg: dict[str, Any], name: str = "id") -> Any:
     """A client value the server echoes (`ping`'s and `session.fork`'s `id`), bounded."""
     value = msg.get(name)
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    if len(text) > MAX_PING_ID_CHARS:
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    except RecursionError:  # nested deeper than json.dumps goes; no id of 128 characters is
+        text = None
+    if text is None or len(text) > MAX_PING_ID_CHARS:
         raise ProtocolError(
             "bad_request",
             f"'{name}' must be a string of at most {MAX_PING_ID_CHARS} characters "

@@ -73,6 +73,16 @@ class SessionContext:
         # First frames decoded at once, per server: a burst of starts holds a bounded number
         # of decoded images in memory and threads of the default pool.
         self.image_decodes = asyncio.Semaphore(protocol.MAX_CONCURRENT_IMAGE_DECODES)
+        # Large client messages parsed at once, per server, in threads (`parse_message`).
+        self.large_parses = asyncio.Semaphore(protocol.MAX_CONCURRENT_LARGE_PARSES)
+
+    async def parse_message(self, text: str) -> dict:
+        """`protocol.parse_json`, off the event loop and a bounded number at once for a
+        message longer than `protocol.LARGE_MESSAGE_CHARS`."""
+        if len(text) <= protocol.LARGE_MESSAGE_CHARS:
+            return protocol.parse_json(text)
+        async with self.large_parses:
+            return await asyncio.to_thread(protocol.parse_json, text)
 
 
 def refusal(e: Exception) -> tuple[ProtocolError, int]:
@@ -231,7 +241,7 @@ class Session:
         if msg.kind != "text":
             return None  # closed, or an oversize frame (the framework closes with 1009)
         try:
-            parsed = protocol.parse_json(msg.data)
+            parsed = await self.ctx.parse_message(msg.data)
             # Off the event loop, and a bounded number at once: a first image is decoded here.
             async with self.ctx.image_decodes:
                 return await asyncio.to_thread(
@@ -370,7 +380,7 @@ class Session:
                     await self._fail(err, CLOSE_UNSUPPORTED_DATA)
                     break
                 try:
-                    parsed = protocol.parse_json(msg.data)
+                    parsed = await self.ctx.parse_message(msg.data)
                     if parsed["type"] == "session.fork":
                         await self._fork(parsed)
                         continue
@@ -418,7 +428,7 @@ class Session:
             elif kind == "branch.cancel":
                 number = protocol.parse_branch_cancel(parsed)
                 if number not in self.branches:
-                    raise ProtocolError("bad_request", f"no running branch {number}")
+                    raise ProtocolError("bad_request", f"no running branch {protocol.excerpt_number(number)}")
                 self.branches[number].handle.cancel()
             elif kind == "session.start":
                 raise ProtocolError("bad_request", "session.start may be sent only once")
@@ -483,6 +493,12 @@ class Session:
                 reason = "cancelled"
         except StreamError as e:
             reason, message = "error", str(e).splitlines()[0]
+        except CLIENT_GONE as e:
+            # No server error, and nothing more to send: the branch's pages go back now
+            # (left running, it would pause on its unsent chunks and keep them).
+            log.info("session %s: the client went away during branch %d (%s)", self.id, branch.number, e)
+            handle.cancel()
+            return
         finally:
             encoder.close()
             self.branches.pop(branch.number, None)

@@ -424,7 +424,7 @@ class StreamWorldClient:
                 kind = message.get("type")
                 if kind == "session.queued":
                     self._state = "queued"
-                    self.queue_position = int(message["position"])
+                    self.queue_position = _queue_position(message)
                     if self.on_queued is not None:
                         result = self.on_queued(self.queue_position)
                         if inspect.isawaitable(result):
@@ -455,8 +455,8 @@ class StreamWorldClient:
             raise StreamWorldError("protocol", f"unexpected binary message of {len(data)} bytes")
         try:
             message = json.loads(data)
-        except json.JSONDecodeError as e:
-            raise StreamWorldError("protocol", f"a text message is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # not JSON, integers too long, nested too deep
+            raise StreamWorldError("protocol", f"a text message is not JSON: {str(e)[:200]}") from None
         if not isinstance(message, dict) or not isinstance(message.get("type"), str):
             raise StreamWorldError("protocol", f"a text message is not an object with a type: {data[:200]!r}")
         return message
@@ -669,7 +669,7 @@ class StreamWorldClient:
             try:
                 sizes = meta.get("sizes")
                 frames = await asyncio.to_thread(decoder.decode, item.data, meta["num_frames"], sizes)
-            except (ValueError, av.FFmpegError, OSError) as e:
+            except (ValueError, av.FFmpegError, OSError, Image.DecompressionBombError) as e:
                 raise StreamWorldError(
                     "protocol", f"chunk {meta['index']}: the {self.info.format} payload does not decode: {e}"
                 ) from e
@@ -821,3 +821,10 @@ async def generate(
     if not frames:
         return np.zeros((0, info.height, info.width, 3), dtype=np.uint8)
     return np.concatenate(frames)
+
+
+def _queue_position(message: dict[str, Any]) -> int:
+    position = message.get("position")
+    if not isinstance(position, int) or isinstance(position, bool):
+        raise StreamWorldError("protocol", f"session.queued has no integer position: {str(position)[:64]}")
+    return position

@@ -252,6 +252,13 @@ def test_client_decoders_turn_each_chunk_back_into_its_frames(fmt):
             np.testing.assert_array_equal(decoded, frames)
 
 
+def test_a_jpeg_frame_of_another_size_is_refused_before_decoding():
+    encoder = make_encoder("jpeg", WIDTH, HEIGHT, FPS)
+    chunk = encoder.encode(next(iter(clip_chunks())))
+    with pytest.raises(ValueError, match=f"in a {WIDTH + 8}x{HEIGHT} session"):
+        make_decoder("jpeg", WIDTH + 8, HEIGHT).decode(chunk.payload, 1, chunk.sizes)
+
+
 def test_unknown_format_has_no_decoder():
     with pytest.raises(ValueError, match="unknown media format"):
         make_decoder("webm", WIDTH, HEIGHT)
@@ -264,3 +271,33 @@ def test_media_and_client_load_without_server_or_engine():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        '{"type": "session.queued"}',
+        '{"type": "session.queued", "position": "first"}',
+        '{"type": "session.queued", "position": ' + "9" * 5000 + "}",
+        '{"type": "session.queued", "position": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    ],
+    ids=["no-position", "text-position", "integer-too-long", "nested-too-deep"],
+)
+async def test_a_malformed_reply_before_the_start_is_a_protocol_error(reply):
+    """What the client raises for a server's malformed reply is its own error, never a raw
+    KeyError, ValueError or RecursionError."""
+    from websockets.asyncio.server import serve
+
+    from streamworld.client import StreamWorldClient, StreamWorldError
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(reply)
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0, max_size=None) as server:
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(StreamWorldError) as caught:
+            async with StreamWorldClient(f"ws://127.0.0.1:{port}/v1/stream", max_size=2**24):
+                pass
+    assert caught.value.code == "protocol"

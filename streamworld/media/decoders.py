@@ -39,7 +39,7 @@ def make_decoder(fmt: str, width: int, height: int, init_segment: bytes | None =
     if fmt == "rgb":
         return RgbDecoder(width, height)
     if fmt == "jpeg":
-        return JpegDecoder()
+        return JpegDecoder(width, height)
     if fmt == "h264":
         return H264Decoder()
     if fmt == "fmp4":
@@ -61,11 +61,21 @@ class RgbDecoder:
 
 
 class JpegDecoder:
-    """`jpeg`: each file decoded by Pillow."""
+    """`jpeg`: each file decoded by Pillow, once its header shows the session's frame size (a
+    file of any other size is refused before its pixels are decoded)."""
+
+    def __init__(self, width: int, height: int) -> None:
+        self.size = (width, height)
 
     def decode(self, payload: bytes, num_frames: int, sizes: Sequence[int] | None) -> np.ndarray:
-        images = [Image.open(io.BytesIO(data)).convert("RGB") for data in split_sized(payload, sizes)]
-        return np.stack([np.asarray(image) for image in images])
+        return np.stack([self._one(data) for data in split_sized(payload, sizes)])
+
+    def _one(self, data: bytes) -> np.ndarray:
+        with Image.open(io.BytesIO(data), formats=("JPEG",)) as image:
+            if image.size != self.size:
+                (w, h), (sw, sh) = image.size, self.size
+                raise ValueError(f"a {w}x{h} frame in a {sw}x{sh} session")
+            return np.asarray(image.convert("RGB"))
 
 
 class H264Decoder:

@@ -182,6 +182,22 @@ def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, caps
         WorldModel.load(plain, weights)
 
 
+class _Ran:
+    """Unpickling this runs code; a checkpoint must never be read that way."""
+
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('unpickled code ran')",))
+
+
+def test_train_cli_refuses_a_checkpoint_that_holds_more_than_tensors(tmp_path, capsys):
+    work = tmp_path / "w"
+    work.mkdir()
+    torch.save({"step": 1, "payload": _Ran()}, work / "checkpoint.pt")
+    args = ["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]
+    assert cli_main(args) == 2
+    assert "holds objects other than tensors" in capsys.readouterr().err
+
+
 def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monkeypatch):
     """A checkpoint resumes only under the settings it was trained with (the schedule's
     length aside), checked before any data is recorded; the message names what differs."""

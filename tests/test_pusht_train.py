@@ -672,7 +672,7 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
     smoke = ["train", "pusht", "--smoke", "--total-steps", "2"]
     work = tmp_path / "unroll"
     assert cli_main([*smoke, "--workdir", str(work), "--clip-chunks", "2", "--unroll-share", "0.5"]) == 0
-    history = torch.load(work / "checkpoint.pt", weights_only=False)["history"]
+    history = torch.load(work / "checkpoint.pt", weights_only=True)["history"]
     assert history and "loss_unrolled" in history[-1]
     refused = {
         ("--unroll-share", "0.5"): "--clip-chunks",

@@ -57,6 +57,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import pickle
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -162,6 +163,18 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
+def load_checkpoint(path: Path, device) -> dict:
+    """A training checkpoint, read as tensors and plain values only (never unpickling code:
+    a work folder may come from elsewhere); ValueError for a file that holds anything else."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain values (a checkpoint `train pusht` "
+            "writes holds none), so it is not loaded; use another --workdir"
+        ) from None
+
+
 def check_resume(
     path: Path,
     state: dict | None,
@@ -176,7 +189,7 @@ def check_resume(
     if state is None:
         if not path.is_file():
             return
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_checkpoint(path, "cpu")
     if state["model_config"] != asdict(model_config):
         raise ValueError(f"{path} was trained for a different model configuration; use another --workdir")
     differences = _differences("", state.get("train_config", {}), asdict(train_config))
@@ -788,7 +801,7 @@ class Trainer:
     def _load_checkpoint(self) -> None:
         if not self.checkpoint_path.is_file():
             return
-        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=False)
+        state = load_checkpoint(self.checkpoint_path, self.device)
         check_resume(self.checkpoint_path, state, self.mcfg, self.cfg, self.run_settings)
         if not self.run_settings:  # a caller that gives none keeps what the checkpoint records
             self.run_settings = state.get("run_settings", {})

@@ -399,3 +399,26 @@ def test_a_small_image_is_resized_to_the_model_and_keeps_its_colours():
     img.save(buf, "PNG")
     out = protocol.decode_image("data:image/png;base64," + b64(buf.getvalue()), 64, 48)
     assert out.shape == (48, 64, 3) and (out == [200, 30, 90]).all()
+
+
+async def test_the_asgi_socket_applies_the_text_limit_itself():
+    """Under an ASGI server that does not apply `max_text_frame` (Ray Serve's proxy), the
+    socket does: a longer text message (in bytes of UTF-8) closes with 1009."""
+    from streamworld.server.sockets import CLOSED, AsgiSocket
+
+    class FakeWebSocket:
+        def __init__(self, texts):
+            self.texts, self.closed_with = list(texts), None
+
+        async def receive(self):
+            return {"type": "websocket.receive", "text": self.texts.pop(0)}
+
+        async def close(self, code, reason):
+            self.closed_with = code
+
+    fits, multibyte_fits = "x" * 100, "é" * 50  # 100 bytes each
+    ws = FakeWebSocket([fits, multibyte_fits, "é" * 51])
+    socket = AsgiSocket(ws, max_text=100)
+    assert (await socket.receive()).data == fits
+    assert (await socket.receive()).data == multibyte_fits
+    assert await socket.receive() == CLOSED and ws.closed_with == 1009 and socket.closed

@@ -123,7 +123,7 @@ def _add_stream_route(app, server: StreamWorldServer) -> None:
             except client_gone_errors() as e:  # the client left before the handshake ended
                 log.info("WebSocket closed before it was accepted (%s)", type(e).__name__)
                 return
-            await server.run_session(AsgiSocket(websocket))
+            await server.run_session(AsgiSocket(websocket, server.config.max_text_frame))
         finally:
             server.connections -= 1
 

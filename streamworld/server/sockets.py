@@ -23,6 +23,8 @@ from typing import Any, Literal, Protocol
 
 from aiohttp import WSMsgType, web
 
+from .protocol import CLOSE_TOO_BIG
+
 
 @dataclass(frozen=True)
 class Incoming:
@@ -104,10 +106,16 @@ class AsgiSocket:
     """Starlette's WebSocket, accepted. An ASGI application cannot reach the TCP connection:
     `abort` cancels the sends in flight, wakes a pending receive and marks the socket closed;
     the server (uvicorn, Ray Serve's proxy) closes the connection when the handler returns,
-    and a client that reads nothing is dropped by its ping timeout."""
+    and a client that reads nothing is dropped by its ping timeout.
 
-    def __init__(self, ws: Any) -> None:
+    `max_text`: the longest client text message, in bytes of UTF-8 (`ServerConfig.max_text_frame`);
+    a longer one closes the connection with 1009, as aiohttp's limit does. uvicorn applies the
+    limit itself (`ws_max_size`), but an ASGI server that takes other settings (Ray Serve's
+    proxy) may not."""
+
+    def __init__(self, ws: Any, max_text: int | None = None) -> None:
         self.ws = ws
+        self.max_text = max_text
         self._closed = False
         self._aborted = asyncio.Event()
         self._sends: set[asyncio.Future] = set()
@@ -168,8 +176,17 @@ class AsgiSocket:
             self._closed = True
             return CLOSED
         if msg.get("text") is not None:
+            if self._too_long(msg["text"]):
+                await self.close(CLOSE_TOO_BIG, b"message too big")
+                return CLOSED
             return Incoming("text", msg["text"])
         return Incoming("binary", msg.get("bytes") or b"")
+
+    def _too_long(self, text: str) -> bool:
+        limit = self.max_text
+        if limit is None or len(text) * 4 <= limit:  # at most 4 bytes a character
+            return False
+        return len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit
 
     async def close(self, code: int, reason: bytes = b"") -> None:
         if self._closed:

@@ -118,8 +118,8 @@ def load_actions(path: str) -> np.ndarray:
             data = json.load(f)
     except OSError as e:
         raise Exit(f"cannot read --actions {path}: {e.strerror}", 2) from None
-    except json.JSONDecodeError as e:
-        raise Exit(f"--actions {path} is not valid JSON: {e}", 2) from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, integers too long, too deep
+        raise Exit(f"--actions {path} is not valid JSON: {str(e)[:200]}", 2) from None
     if isinstance(data, dict):
         data = data.get("actions")
     try:
@@ -135,7 +135,7 @@ def load_image(path: str) -> np.ndarray:
     try:
         with Image.open(path) as image:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except OSError as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise Exit(f"cannot read --image {path}: {e}", 2) from None
 
 

@@ -142,6 +142,20 @@ def test_diffusers_folder_loads(source: WanTransformer3DModel, tmp_path: Path, l
     assert_same_weights(load_fresh(path), source)
 
 
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/abs/path.safetensors", 7])
+def test_a_shard_index_naming_files_elsewhere_is_refused(
+    source: WanTransformer3DModel, tmp_path: Path, shard
+) -> None:
+    source.save_pretrained(tmp_path, max_shard_size="16KB")
+    index = tmp_path / "diffusion_pytorch_model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointLayoutError, match="shard files in the same folder"):
+        load_fresh(tmp_path)
+
+
 @pytest.mark.parametrize("variant", ["t2v", "i2v"])
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_original_wan_layout_loads(tmp_path: Path, variant: str, suffix: str) -> None:

@@ -94,6 +94,28 @@ def test_bad_arguments_give_a_one_line_error(tmp_path, capsys, args, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot be read"),  # a folder
+        (b"\xff\xfe[[1, 2]]", "not valid JSON"),
+        (b"[[" + b"9" * 5000 + b", 1]]", "not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+    ],
+    ids=["folder", "not-utf8", "integer-too-long", "nested-too-deep"],
+)
+def test_an_unreadable_actions_file_is_a_one_line_error(tmp_path, capsys, content, message):
+    path = tmp_path / "a.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    out = str(tmp_path / "x.npy")
+    assert main(["generate", "--model", "pusht", "--actions", str(path), "--out", out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
 def test_actions_for_a_model_without_actions_is_a_clear_error(tmp_path, capsys):
     actions = tmp_path / "a.json"
     actions.write_text(json.dumps({"actions": [[0.0, 1.0]] * 9}))

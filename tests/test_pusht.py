@@ -656,6 +656,10 @@ async def test_interactive_client_streams_actions_from_a_file_into_an_mp4(pusht_
     # Keyboard mode needs a terminal: a clear error and exit code 2, no session.
     code, _, stderr = await _run_example(client, "--url", pusht_server, "--keyboard")
     assert code == 2 and "terminal" in stderr.lower()
+    # An actions file that is not UTF-8: a clear error, no traceback.
+    actions.write_bytes(b"\xff\xfe[[1, 2]]")
+    code, _, stderr = await _run_example(client, "--url", pusht_server, "--actions", str(actions))
+    assert code == 2 and "not valid JSON" in stderr and "Traceback" not in stderr
 
 
 def test_init_without_spatial_actions_starts_from_exactly_the_old_model(tmp_path):

@@ -46,14 +46,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# Largest --actions file read: 64 MiB of JSON is millions of vectors, far beyond any run.
+MAX_ACTIONS_FILE_BYTES = 64 * 2**20
+
+
 def read_actions(path: str) -> np.ndarray:
     """[frames, action_dim] float32 from a JSON list of vectors or {"actions": [...]}."""
+    file = Path(path)
     try:
-        data = json.loads(Path(path).read_text())
+        if file.stat().st_size > MAX_ACTIONS_FILE_BYTES:
+            raise UsageError(f"--actions: {path} is larger than {MAX_ACTIONS_FILE_BYTES // 2**20} MiB")
+        data = json.loads(file.read_text())
     except FileNotFoundError:
         raise UsageError(f"--actions: {path} does not exist") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--actions: {path} is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, integers too long, too deep
+        raise UsageError(f"--actions: {path} is not valid JSON ({str(e)[:200]})") from None
+    except OSError as e:  # a folder, no permission
+        raise UsageError(f"--actions: {path} cannot be read ({e.strerror or e})") from None
     if isinstance(data, dict):
         data = data.get("actions")
     try:

@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SIZE = 64 * 2**20  # an rgb chunk of 832x480 frames is about 1.2 MiB per frame
+# Payload bytes received and not yet taken by `chunks()` (of the session and its branches)
+# before the client gives up on its consumer: 512 MiB, hundreds of chunks of any format.
+DEFAULT_MAX_BUFFERED = 512 * 2**20
 
 
 class StreamWorldError(Exception):
@@ -220,6 +223,7 @@ class Branch:
                 if item.error is not None:
                     raise item.error
                 return
+            self.client._taken(item)
             yield await self.client._to_chunk(item, self._decoder)
 
     async def cancel(self) -> None:
@@ -268,7 +272,9 @@ class StreamWorldClient:
     socket buffers. `ack(index)` sends one by hand. A caller that breaks out of `chunks()`
     has not acknowledged the last chunk it took; if it keeps the session open without
     reading on, it should `ack()` that chunk, or the server ends the session (`too_slow`)
-    after 10 s.
+    after 10 s. `max_buffered` bounds the payload bytes received and not yet taken by
+    `chunks()` (the session's and its branches'); past it the client leaves and `chunks()`
+    raises `StreamWorldError` `buffer_full` once it has yielded what was received.
 
     After the start: `info` (SessionInfo), `queue_position` (the last one announced, if the
     session had to wait), `init_segment` (fmp4), `errors` (every `error` received during the
@@ -293,6 +299,7 @@ class StreamWorldClient:
         on_queued: Callable[[int], Any] | None = None,
         ack: bool = False,
         max_size: int | None = DEFAULT_MAX_SIZE,
+        max_buffered: int | None = DEFAULT_MAX_BUFFERED,
         open_timeout: float | None = 10.0,
         start_timeout: float | None = None,
         token: str | None = None,
@@ -304,6 +311,7 @@ class StreamWorldClient:
         self.on_queued = on_queued
         self.auto_ack = ack
         self.max_size = max_size
+        self.max_buffered = max_buffered
         self.open_timeout = open_timeout
         self.start_timeout = start_timeout
         options = {
@@ -334,6 +342,7 @@ class StreamWorldClient:
         self.done_reason: str | None = None
         self.chunks_done: int | None = None
         self.chunks_received = 0
+        self.buffered_bytes = 0  # payloads received, not yet taken by chunks()
         self._state = "new"
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -491,7 +500,10 @@ class StreamWorldClient:
         except Exception as e:  # anything unexpected from the server must still end the stream
             error = e if isinstance(e, StreamWorldError) else StreamWorldError("protocol", f"{e!r}")
             self._end(error)
-            await self._ws.close(code=1002, reason="protocol error")
+            if error.code == "buffer_full":  # the client's own limit: it leaves, as it may
+                await self._ws.close(code=1000, reason="client buffer full")
+            else:
+                await self._ws.close(code=1002, reason="protocol error")
         finally:
             self._end(None)
             self._state = "closed"
@@ -507,6 +519,13 @@ class StreamWorldClient:
                 "protocol",
                 f"chunk {pending['index']}: payload of {len(data)} bytes, not {pending['bytes']}",
             )
+        if self.max_buffered is not None and self.buffered_bytes + len(data) > self.max_buffered:
+            raise StreamWorldError(
+                "buffer_full",
+                f"more than {self.max_buffered} bytes of chunks received and not yet taken by chunks(): "
+                "the consumer is slower than the stream (ack=True lets the server pause it instead)",
+            )
+        self.buffered_bytes += len(data)
         branch = self.branches.get(pending["branch"]) if "branch" in pending else None
         if branch is not None:
             branch._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
@@ -655,11 +674,15 @@ class StreamWorldClient:
                     if item.error is not None:
                         raise item.error
                     return
+                self._taken(item)
                 chunk = await self._to_chunk(item)
             yield chunk
             if self.auto_ack:  # the caller is back for more: it has consumed this one
                 with contextlib.suppress(StreamWorldError):  # the session may just have ended
                     await self.ack(chunk.index)
+
+    def _taken(self, item: _Payload) -> None:
+        self.buffered_bytes -= len(item.data)
 
     async def _to_chunk(self, item: _Payload, decoder: ChunkDecoder | None = None) -> Chunk:
         meta = item.meta

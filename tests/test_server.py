@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -714,3 +715,29 @@ async def test_token_and_origin_are_checked_on_both_transports(models, transport
         assert frames.shape[0] == models["tiny-wan"].config.first_chunk_frames
     finally:
         await running.close()
+
+
+async def test_a_client_holds_at_most_max_buffered_bytes_it_has_not_taken(served, caplog):
+    """A consumer slower than the stream: the client keeps what it received up to its bound,
+    hands those chunks over, then ends with `buffer_full`; the server sees a client leave."""
+    _, url, http = served
+    caplog.set_level(logging.INFO)
+    async with StreamWorldClient(url, format="rgb", num_chunks=2, seed=2) as probe:
+        two_chunks = sum([chunk.nbytes async for chunk in probe.chunks()])
+    async with StreamWorldClient(url, format="rgb", num_chunks=None, seed=2, max_buffered=two_chunks) as c:
+        for _ in range(2400):  # take nothing until the client gives up (bounded wait)
+            if c._state == "closed":
+                break
+            await asyncio.sleep(0.025)
+        assert c._state == "closed" and c.buffered_bytes == two_chunks
+        taken = 0
+        with pytest.raises(StreamWorldError) as caught:
+            async for _ in c.chunks():
+                taken += 1
+    assert taken == 2 and caught.value.code == "buffer_full" and c.buffered_bytes == 0
+    for _ in range(200):
+        if await metric(http, "streamworld_kv_pages_used") == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert await metric(http, "streamworld_kv_pages_used") == 0
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

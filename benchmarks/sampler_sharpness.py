@@ -118,6 +118,8 @@ def calibrate(episodes) -> tuple[float, float, float]:
     error left after it (mean, max; degrees)."""
     pairs = [(third_moment_angle(f), a) for ep in episodes for f, a in zip(ep.frames, ep.angles, strict=True)]
     diffs = np.array([m - a for m, a in pairs if not math.isnan(m)])
+    if not len(diffs):
+        raise ValueError("no true frame shows the block: nothing to calibrate the moment angle on")
     offset = float(np.angle(np.exp(1j * diffs).mean()))
     errors = [angle_error(m - offset, a) for m, a in pairs if not math.isnan(m)]
     return offset, float(np.mean(errors)), float(np.max(errors))
@@ -151,6 +153,17 @@ def score(pred: np.ndarray, ep, offset: float) -> dict[int, dict]:
     return rows
 
 
+def _mean(values: list[float]) -> float | None:
+    finite = [v for v in values if not math.isnan(v)]
+    return round(float(np.mean(finite)), 3) if finite else None
+
+
+def _median(values: list[float]) -> float | None:
+    """The median of the finite values, rounded; None where there are none (JSON has no nan)."""
+    finite = [v for v in values if not math.isnan(v)]
+    return round(float(np.median(finite)), 1) if finite else None
+
+
 def summarise(rows: list[dict[int, dict]]) -> dict:
     out = {}
     for h in HORIZONS:
@@ -159,15 +172,13 @@ def summarise(rows: list[dict[int, dict]]) -> dict:
         turned = [x for x in r if x["turned_deg"] >= TURNED_DEG]
         t_angles = [x["angle_deg"] for x in r if x["is_t"]]
         out[str(h)] = {
-            "block_px": round(float(np.nanmean([x["block_px"] for x in r])), 3),
+            "block_px": _mean([x["block_px"] for x in r]),
             "t_share": round(float(np.mean([x["is_t"] for x in r])), 3),
             "moved": len(moved),
             "moved_t": sum(x["is_t"] for x in moved),
             "angle_deg_where_t": round(float(np.mean(t_angles)), 2) if t_angles else None,
             "turned": len(turned),
-            "moment_angle_error_median": (
-                round(float(np.nanmedian([x["moment_deg"] for x in turned])), 1) if turned else None
-            ),
+            "moment_angle_error_median": _median([x["moment_deg"] for x in turned]),
             "turned_since_start_median": (
                 round(float(np.median([x["turned_deg"] for x in turned])), 1) if turned else None
             ),
@@ -224,6 +235,10 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def _degrees(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f}°"
 
@@ -237,7 +252,7 @@ def table(report: dict) -> str:
     for name, s in report["samplers"].items():
         for h, r in s["horizons"].items():
             lines.append(
-                f"| `{name}` | {h} | {r['block_px']:.2f} | {r['t_share']:.0%} "
+                f"| `{name}` | {h} | {_number(r['block_px'])} | {r['t_share']:.0%} "
                 f"| {r['moved_t']} of {r['moved']} "
                 f"| {_degrees(r['moment_angle_error_median'])} | {_degrees(r['turned_since_start_median'])} |"
             )

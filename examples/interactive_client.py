@@ -112,8 +112,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+MAX_ACTIONS_FILE_BYTES = 64 * 2**20  # millions of vectors, far beyond any session
+
+
 def load_actions(path: str) -> np.ndarray:
     try:
+        if os.path.getsize(path) > MAX_ACTIONS_FILE_BYTES:
+            raise Exit(f"--actions {path} is larger than 64 MiB", 2)
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as e:
@@ -124,7 +129,7 @@ def load_actions(path: str) -> np.ndarray:
         data = data.get("actions")
     try:
         actions = np.asarray(data, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         actions = np.zeros((0, 0))
     if actions.ndim != 2 or actions.size == 0 or not np.isfinite(actions).all():
         raise Exit(f"--actions {path} must hold a non-empty list of equal-length lists of numbers", 2)

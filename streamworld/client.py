@@ -116,7 +116,7 @@ class SessionInfo:
             )
         except KeyError as e:
             raise StreamWorldError("protocol", f"session.started lacks the field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise StreamWorldError(
                 "protocol", f"session.started has a field of the wrong type: {e}"
             ) from None
@@ -463,7 +463,7 @@ class StreamWorldClient:
         if isinstance(data, bytes):
             raise StreamWorldError("protocol", f"unexpected binary message of {len(data)} bytes")
         try:
-            message = json.loads(data)
+            message = json.loads(data, parse_constant=_no_constant)
         except (ValueError, RecursionError) as e:  # not JSON, integers too long, nested too deep
             raise StreamWorldError("protocol", f"a text message is not JSON: {str(e)[:200]}") from None
         if not isinstance(message, dict) or not isinstance(message.get("type"), str):
@@ -851,3 +851,7 @@ def _queue_position(message: dict[str, Any]) -> int:
     if not isinstance(position, int) or isinstance(position, bool):
         raise StreamWorldError("protocol", f"session.queued has no integer position: {str(position)[:64]}")
     return position
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not standard JSON")

@@ -142,7 +142,7 @@ def test_diffusers_folder_loads(source: WanTransformer3DModel, tmp_path: Path, l
     assert_same_weights(load_fresh(path), source)
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "/abs/path.safetensors", 7])
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/abs/path.safetensors", 7, ["x"]])
 def test_a_shard_index_naming_files_elsewhere_is_refused(
     source: WanTransformer3DModel, tmp_path: Path, shard
 ) -> None:

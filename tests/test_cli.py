@@ -101,8 +101,9 @@ def test_bad_arguments_give_a_one_line_error(tmp_path, capsys, args, message):
         (b"\xff\xfe[[1, 2]]", "not valid JSON"),
         (b"[[" + b"9" * 5000 + b", 1]]", "not valid JSON"),
         (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+        (b"[[" + b"9" * 401 + b", 1]]", "must hold a list"),
     ],
-    ids=["folder", "not-utf8", "integer-too-long", "nested-too-deep"],
+    ids=["folder", "not-utf8", "integer-too-long", "nested-too-deep", "overflows-a-float"],
 )
 def test_an_unreadable_actions_file_is_a_one_line_error(tmp_path, capsys, content, message):
     path = tmp_path / "a.json"

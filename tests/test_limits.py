@@ -411,14 +411,18 @@ async def test_the_asgi_socket_applies_the_text_limit_itself():
             self.texts, self.closed_with = list(texts), None
 
         async def receive(self):
-            return {"type": "websocket.receive", "text": self.texts.pop(0)}
+            message = self.texts.pop(0)
+            key = "bytes" if isinstance(message, bytes) else "text"
+            return {"type": "websocket.receive", key: message}
 
         async def close(self, code, reason):
             self.closed_with = code
 
     fits, multibyte_fits = "x" * 100, "é" * 50  # 100 bytes each
-    ws = FakeWebSocket([fits, multibyte_fits, "é" * 51])
-    socket = AsgiSocket(ws, max_text=100)
-    assert (await socket.receive()).data == fits
-    assert (await socket.receive()).data == multibyte_fits
-    assert await socket.receive() == CLOSED and ws.closed_with == 1009 and socket.closed
+    for too_long in ("é" * 51, b"\0" * 101):
+        ws = FakeWebSocket([fits, multibyte_fits, b"\0" * 100, too_long])
+        socket = AsgiSocket(ws, max_text=100)
+        assert (await socket.receive()).data == fits
+        assert (await socket.receive()).data == multibyte_fits
+        assert (await socket.receive()).kind == "binary"
+        assert await socket.receive() == CLOSED and ws.closed_with == 1009 and socket.closed

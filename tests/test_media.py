@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import struct
 import subprocess
 import sys
@@ -273,6 +274,20 @@ def test_media_and_client_load_without_server_or_engine():
     assert result.stdout.strip() == "[]"
 
 
+STARTED = {
+    "type": "session.started",
+    "session_id": "s",
+    "model": "m",
+    "width": 64,
+    "height": 64,
+    "fps": 10,
+    "format": "jpeg",
+    "kv_mode": "final",
+    "frames_per_chunk": 4,
+    "first_chunk_frames": 1,
+}
+
+
 @pytest.mark.parametrize(
     "reply",
     [
@@ -280,8 +295,10 @@ def test_media_and_client_load_without_server_or_engine():
         '{"type": "session.queued", "position": "first"}',
         '{"type": "session.queued", "position": ' + "9" * 5000 + "}",
         '{"type": "session.queued", "position": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        '{"type": "session.started", "width": Infinity}',
+        json.dumps({**STARTED, "width": 1e308}).replace("1e+308", "1e400"),
     ],
-    ids=["no-position", "text-position", "integer-too-long", "nested-too-deep"],
+    ids=["no-position", "text-position", "integer-too-long", "nested-too-deep", "infinity", "overflow"],
 )
 async def test_a_malformed_reply_before_the_start_is_a_protocol_error(reply):
     """What the client raises for a server's malformed reply is its own error, never a raw

@@ -259,6 +259,7 @@ async def test_a_malformed_request_gets_a_short_400_that_echoes_nothing(models, 
 
 STREAM = b"GET /v1/stream?token=t HTTP/1.1\r\nHost: x\r\n"
 CLOSE = b"Connection: close\r\n\r\n"
+UPGRADE = b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
 
 
 async def raw_reply(host: str, request_bytes: bytes) -> tuple[bytes, bytes]:
@@ -278,8 +279,17 @@ async def raw_reply(host: str, request_bytes: bytes) -> tuple[bytes, bytes]:
         (STREAM + b"Upgrade: \xff<script>\r\nConnection: Upgrade\r\n\r\n", 400),
         (STREAM + b"Upgrade: <script>\r\nConnection: Upgrade\r\n\r\n", 400),
         (STREAM + CLOSE, 400),
+        (STREAM + UPGRADE + b"Sec-WebSocket-Key: \xc3\xa9\xc3\xa9<script>\r\n\r\n", 400),
+        (STREAM + UPGRADE + b"Sec-WebSocket-Key: \xff\xfe<script>\r\n\r\n", 400),
     ],
-    ids=["token-not-utf8", "upgrade-not-utf8", "upgrade-not-websocket", "no-upgrade"],
+    ids=[
+        "token-not-utf8",
+        "upgrade-not-utf8",
+        "upgrade-not-websocket",
+        "no-upgrade",
+        "key-not-ascii",
+        "key-not-utf8",
+    ],
 )
 async def test_header_bytes_that_are_not_utf8_or_no_upgrade_get_a_fixed_reply(
     models,  # noqa: F811
@@ -313,7 +323,6 @@ async def test_an_idle_or_half_sent_http_connection_is_closed_after_the_keepaliv
             writer.close()
     finally:
         await running.close()
-    assert StreamWorldServer.make_runner.__defaults__ == (10.0, 75.0)
 
 
 def test_serve_flags_set_who_may_connect_and_the_bounds(monkeypatch, capsys):

@@ -139,6 +139,45 @@ async def pages_back(http: str) -> None:
     assert await metric(http, "streamworld_kv_pages_used", model="tiny-act") == 0
 
 
+async def test_a_branch_whose_encoder_fails_ends_in_error_and_the_session_goes_on(
+    served, monkeypatch, caplog
+):
+    """A server fault in one branch (here its encoder) is an error of that branch alone:
+    `branch.done` error, its pages back, the session and its other work unharmed."""
+    from streamworld.server import session as session_module
+
+    url, http = served
+    real = session_module.make_encoder
+    made = []
+
+    class Broken:
+        def __init__(self, encoder):
+            self.encoder = encoder
+
+        def encode(self, frames):
+            raise RuntimeError("encoder broke")
+
+        def close(self):
+            self.encoder.close()
+
+    def encoders(*args):
+        made.append(real(*args))
+        return made[-1] if len(made) == 1 else Broken(made[-1])  # the session's own first
+
+    monkeypatch.setattr(session_module, "make_encoder", encoders)
+    caplog.set_level(logging.INFO)
+    async with StreamWorldClient(url, model="tiny-act", format="jpeg", num_chunks=4) as c:
+        chunks = c.chunks()
+        await chunks.__anext__()
+        (branch,) = await c.fork([{"num_chunks": 8}])
+        with pytest.raises(StreamWorldError, match="internal server error"):
+            await drain(branch)
+        assert branch.done_reason == "error" and branch.chunks_done == 0
+        assert len([ch async for ch in chunks]) == 3
+    await pages_back(http)
+    assert any("branch 1 failed" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+
+
 async def test_a_client_gone_while_a_branch_sends_frees_the_branch_and_is_no_error(
     served, monkeypatch, caplog
 ):

@@ -67,7 +67,7 @@ def read_actions(path: str) -> np.ndarray:
         data = data.get("actions")
     try:
         arr = np.asarray(data, dtype=np.float32)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UsageError(f"--actions: {path} must hold a list of equal-length number lists") from None
     if arr.ndim != 2:
         raise UsageError(f"--actions: {path} must hold a list of vectors, got shape {arr.shape}")

@@ -202,11 +202,12 @@ def _read_folder(folder: Path) -> dict[str, object]:
             weight_map = json.loads(weights.read_text())["weight_map"]
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointLayoutError(f"DiT checkpoint index {weights} is unreadable: {exc}") from exc
-        shards = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
-        if not all(isinstance(s, str) and s and Path(s).name == s for s in shards):
+        names = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
+        if not all(isinstance(s, str) and s and Path(s).name == s for s in names):
             raise CheckpointLayoutError(
                 f"DiT checkpoint index {weights}: its weight_map must name shard files in the same folder"
             )
+        shards = set(names)
         state_dict: dict[str, object] = {}
         for shard in sorted(shards):
             state_dict.update(_read_file(folder / shard))

@@ -378,20 +378,13 @@ class StreamWorldServer:
             ws = web.WebSocketResponse(
                 max_msg_size=self.config.max_text_frame, heartbeat=30.0, compress=False
             )
-            if not _can_upgrade(ws, request):
-                raise web.HTTPBadRequest(text="400: not a WebSocket upgrade request\n")
-            await ws.prepare(request)
+            try:
+                await ws.prepare(request)
+            except (web.HTTPException, ValueError):
+                # Not an upgrade aiohttp accepts. Its own refusal repeats the client's headers,
+                # and raises ValueError instead where they are not UTF-8 or not ASCII.
+                raise web.HTTPBadRequest(text="400: not a WebSocket upgrade request\n") from None
             await self.run_session(AiohttpSocket(ws, request.transport))
             return ws
         finally:
             self.connections -= 1
-
-
-def _can_upgrade(ws: web.WebSocketResponse, request: web.Request) -> bool:
-    """Whether the request is a WebSocket upgrade aiohttp accepts. Its own refusal repeats the
-    client's headers, and raises UnicodeEncodeError instead when they are not UTF-8: the
-    caller answers a fixed 400 either way."""
-    try:
-        return ws.can_prepare(request).ok
-    except UnicodeError:
-        return False

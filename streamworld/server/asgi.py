@@ -13,8 +13,9 @@ caller, as `serve_asgi` and the Ray Serve deployment do). Run it with
 
 A refused upgrade is answered with its HTTP status where the server supports the
 WebSocket denial extension (uvicorn does) and otherwise with a close before the handshake
-(HTTP 403). The text frame bound is the server's (`--ws-max-size` for uvicorn, which
-`serve` sets from `ServerConfig.max_text_frame`); an oversize frame closes with 1009.
+(HTTP 403). The message bound is `ServerConfig.max_text_frame`: `serve` gives it to uvicorn
+(`ws_max_size`), and the session's socket checks each message itself (`AsgiSocket`), since
+another ASGI server (Ray Serve's proxy) may not take it; an oversize message closes with 1009.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route functions' annotations

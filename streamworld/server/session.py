@@ -82,7 +82,14 @@ class SessionContext:
         if len(text) <= protocol.LARGE_MESSAGE_CHARS:
             return protocol.parse_json(text)
         async with self.large_parses:
-            return await asyncio.to_thread(protocol.parse_json, text)
+            parse = asyncio.ensure_future(asyncio.to_thread(protocol.parse_json, text))
+            try:
+                return await asyncio.shield(parse)
+            except asyncio.CancelledError:
+                # The thread parses on regardless: hold the slot until it has finished.
+                with contextlib.suppress(BaseException):
+                    await parse
+                raise
 
 
 def refusal(e: Exception) -> tuple[ProtocolError, int]:
@@ -486,19 +493,24 @@ class Session:
             async for chunk in handle:
                 pace()
                 header, payload = await self._encoded(encoder, chunk)
-                await self.sender.send({**header, "branch": branch.number}, payload)
+                try:
+                    await self.sender.send({**header, "branch": branch.number}, payload)
+                except CLIENT_GONE as e:
+                    # No server error, and nothing more to send: the branch's pages go back
+                    # now (left running, it would pause on its unsent chunks and keep them).
+                    log.info("session %s: the client went away in branch %d (%s)", self.id, branch.number, e)
+                    handle.cancel()
+                    return
                 sent += 1
                 pace()
             if handle.status == "cancelled":
                 reason = "cancelled"
         except StreamError as e:
             reason, message = "error", str(e).splitlines()[0]
-        except CLIENT_GONE as e:
-            # No server error, and nothing more to send: the branch's pages go back now
-            # (left running, it would pause on its unsent chunks and keep them).
-            log.info("session %s: the client went away during branch %d (%s)", self.id, branch.number, e)
+        except Exception:  # e.g. the encoder failed: the branch ends in error, the session goes on
+            log.exception("session %s: branch %d failed", self.id, branch.number)
             handle.cancel()
-            return
+            reason, message = "error", "internal server error"
         finally:
             encoder.close()
             self.branches.pop(branch.number, None)

@@ -108,7 +108,7 @@ class AsgiSocket:
     the server (uvicorn, Ray Serve's proxy) closes the connection when the handler returns,
     and a client that reads nothing is dropped by its ping timeout.
 
-    `max_text`: the longest client text message, in bytes of UTF-8 (`ServerConfig.max_text_frame`);
+    `max_text`: the longest client message, in bytes (of UTF-8 for text; `ServerConfig.max_text_frame`);
     a longer one closes the connection with 1009, as aiohttp's limit does. uvicorn applies the
     limit itself (`ws_max_size`), but an ASGI server that takes other settings (Ray Serve's
     proxy) may not."""
@@ -175,18 +175,21 @@ class AsgiSocket:
         if msg["type"] != "websocket.receive":  # websocket.disconnect
             self._closed = True
             return CLOSED
-        if msg.get("text") is not None:
-            if self._too_long(msg["text"]):
-                await self.close(CLOSE_TOO_BIG, b"message too big")
-                return CLOSED
-            return Incoming("text", msg["text"])
-        return Incoming("binary", msg.get("bytes") or b"")
+        text, data = msg.get("text"), msg.get("bytes") or b""
+        if (text is not None and self._too_long(text)) or (text is None and self._over(len(data))):
+            await self.close(CLOSE_TOO_BIG, b"message too big")
+            return CLOSED
+        if text is not None:
+            return Incoming("text", text)
+        return Incoming("binary", data)
 
     def _too_long(self, text: str) -> bool:
-        limit = self.max_text
-        if limit is None or len(text) * 4 <= limit:  # at most 4 bytes a character
+        if not self._over(len(text) * 4):  # at most 4 bytes a character
             return False
-        return len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit
+        return self._over(len(text)) or self._over(len(text.encode("utf-8", "surrogatepass")))
+
+    def _over(self, size: int) -> bool:
+        return self.max_text is not None and size > self.max_text
 
     async def close(self, code: int, reason: bytes = b"") -> None:
         if self._closed:

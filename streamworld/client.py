@@ -51,9 +51,13 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SIZE = 64 * 2**20  # an rgb chunk of 832x480 frames is about 1.2 MiB per frame
-# Payload bytes received and not yet taken by `chunks()` (of the session and its branches)
-# before the client gives up on its consumer: 512 MiB, hundreds of chunks of any format.
+# Payload bytes of the session's own chunks received and not yet taken by `chunks()` before
+# the client gives up on its consumer: 512 MiB, 37 rgb chunks of 832x480 (12 frames each),
+# hundreds of jpeg ones. A branch's chunks are bounded by the chunks it asked for instead.
 DEFAULT_MAX_BUFFERED = 512 * 2**20
+# Chunks a branch may receive when the fork that made it is not known (protocol.md: a branch
+# asks for at most 64).
+MAX_BRANCH_CHUNKS = 64
 
 
 class StreamWorldError(Exception):
@@ -189,10 +193,14 @@ class _ChunkSequence:
 class Branch:
     """One branch of a fork (`StreamWorldClient.fork`): its chunks, then how it ended."""
 
-    def __init__(self, client: StreamWorldClient, number: int, fmt: str) -> None:
+    def __init__(
+        self, client: StreamWorldClient, number: int, fmt: str, num_chunks: int = MAX_BRANCH_CHUNKS
+    ) -> None:
         self.client = client
         self.number = number  # the session's branch number, from 1
         self.format = fmt
+        self.num_chunks = num_chunks  # what it asked for: the most chunks the server may send it
+        self.chunks_received = 0
         self.done_reason: str | None = None  # completed, cancelled or error (branch.done)
         self.chunks_done: int | None = None
         self.message: str | None = None  # why it failed, for `error`
@@ -223,7 +231,6 @@ class Branch:
                 if item.error is not None:
                     raise item.error
                 return
-            self.client._taken(item)
             yield await self.client._to_chunk(item, self._decoder)
 
     async def cancel(self) -> None:
@@ -272,9 +279,10 @@ class StreamWorldClient:
     socket buffers. `ack(index)` sends one by hand. A caller that breaks out of `chunks()`
     has not acknowledged the last chunk it took; if it keeps the session open without
     reading on, it should `ack()` that chunk, or the server ends the session (`too_slow`)
-    after 10 s. `max_buffered` bounds the payload bytes received and not yet taken by
-    `chunks()` (the session's and its branches'); past it the client leaves and `chunks()`
-    raises `StreamWorldError` `buffer_full` once it has yielded what was received.
+    after 10 s. `max_buffered` bounds the payload bytes of the session's chunks received and
+    not yet taken by `chunks()`; past it the client leaves and `chunks()` raises
+    `StreamWorldError` `buffer_full` once it has yielded what was received. A branch keeps
+    at most the chunks it asked for.
 
     After the start: `info` (SessionInfo), `queue_position` (the last one announced, if the
     session had to wait), `init_segment` (fmp4), `errors` (every `error` received during the
@@ -354,7 +362,8 @@ class StreamWorldClient:
         self._decoder: ChunkDecoder | None = None
         self._consume = asyncio.Lock()  # chunks are decoded one at a time, in order
         self.branches: dict[int, Branch] = {}  # every branch of this session's forks
-        self._forks: dict[str, tuple[asyncio.Future[list[Branch]], str]] = {}  # id -> (waiter, format)
+        # fork id -> (waiter, format, each branch's num_chunks)
+        self._forks: dict[str, tuple[asyncio.Future[list[Branch]], str, list[int]]] = {}
         self._fork_ids = itertools.count()
 
     def __repr__(self) -> str:
@@ -519,17 +528,17 @@ class StreamWorldClient:
                 "protocol",
                 f"chunk {pending['index']}: payload of {len(data)} bytes, not {pending['bytes']}",
             )
-        if self.max_buffered is not None and self.buffered_bytes + len(data) > self.max_buffered:
-            raise StreamWorldError(
-                "buffer_full",
-                f"more than {self.max_buffered} bytes of chunks received and not yet taken by chunks(): "
-                "the consumer is slower than the stream (ack=True lets the server pause it instead)",
-            )
-        self.buffered_bytes += len(data)
         branch = self.branches.get(pending["branch"]) if "branch" in pending else None
         if branch is not None:
             branch._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
         else:
+            if self.max_buffered is not None and self.buffered_bytes + len(data) > self.max_buffered:
+                raise StreamWorldError(
+                    "buffer_full",
+                    f"more than {self.max_buffered} bytes of chunks received and not yet taken by chunks(): "
+                    "the consumer is slower than the stream (ack=True lets the server pause it instead)",
+                )
+            self.buffered_bytes += len(data)
             self._incoming.put_nowait(_Payload(pending, data, time.monotonic()))
             self.chunks_received += 1
         sequence.pending = None
@@ -541,7 +550,7 @@ class StreamWorldClient:
         elif kind == "pong":
             self._resolve_pong(message)
         elif kind == "error" and message.get("id") in self._forks:
-            waiter, _ = self._forks.pop(message["id"])
+            waiter, _, _ = self._forks.pop(message["id"])
             if not waiter.done():
                 waiter.set_exception(self._error_from(message))
         elif kind == "error":
@@ -572,6 +581,12 @@ class StreamWorldClient:
             branch = self.branches.get(meta["branch"])
             if branch is None:
                 raise StreamWorldError("protocol", f"chunk of unknown branch {meta['branch']!r}")
+            if branch.chunks_received >= branch.num_chunks:
+                raise StreamWorldError(
+                    "protocol",
+                    f"branch {branch.number}: more than the {branch.num_chunks} chunks it asked for",
+                )
+            branch.chunks_received += 1
             own = branch._sequence
             if own.next_frame is None:  # a branch's first chunk: the fork point
                 own.next_index = meta.get("index")
@@ -583,11 +598,15 @@ class StreamWorldClient:
         sequence.pending = meta
 
     def _take_forked(self, message: dict[str, Any]) -> None:
-        waiter, fmt = self._forks.pop(message.get("id"), (None, "jpeg"))
+        waiter, fmt, counts = self._forks.pop(message.get("id"), (None, "jpeg", []))
         numbers = message.get("branches")
         if not isinstance(numbers, list) or not all(isinstance(n, int) for n in numbers):
-            raise StreamWorldError("protocol", f"session.forked with branches {numbers!r}")
-        branches = [Branch(self, n, fmt) for n in numbers]
+            raise StreamWorldError("protocol", f"session.forked with branches {str(numbers)[:200]}")
+        if counts and len(counts) != len(numbers):
+            raise StreamWorldError(
+                "protocol", f"session.forked with {len(numbers)} branches, {len(counts)} asked for"
+            )
+        branches = [Branch(self, n, fmt, *counts[i : i + 1]) for i, n in enumerate(numbers)]
         self.branches.update((b.number, b) for b in branches)
         if waiter is not None and not waiter.done():
             waiter.set_result(branches)
@@ -654,7 +673,7 @@ class StreamWorldClient:
             gone = error or StreamWorldError("connection_closed", "the connection closed")
             for branch in self.branches.values():
                 branch._end(gone)
-            for waiter, _ in self._forks.values():
+            for waiter, _, _ in self._forks.values():
                 if not waiter.done():
                     waiter.set_exception(gone)
 
@@ -770,7 +789,7 @@ class StreamWorldClient:
             "format": fmt,
         }
         waiter: asyncio.Future[list[Branch]] = asyncio.get_running_loop().create_future()
-        self._forks[fork_id] = (waiter, fmt)
+        self._forks[fork_id] = (waiter, fmt, [int(b["num_chunks"]) for b in message["branches"]])
         try:
             await self._send(message)
             return await asyncio.wait_for(waiter, timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
@@ -318,3 +319,41 @@ async def test_a_malformed_reply_before_the_start_is_a_protocol_error(reply):
             async with StreamWorldClient(f"ws://127.0.0.1:{port}/v1/stream", max_size=2**24):
                 pass
     assert caught.value.code == "protocol"
+
+
+async def test_a_branch_that_gets_more_chunks_than_it_asked_for_is_a_protocol_error():
+    """A branch's chunks are bounded by the chunks it asked for (its memory, too): one more
+    from the server ends the session with a protocol error."""
+    from websockets.asyncio.server import serve
+
+    from streamworld.client import StreamWorldClient, StreamWorldError
+
+    started = {**STARTED, "width": 4, "height": 4, "format": "rgb", "frames_per_chunk": 1}
+
+    def chunk(index, branch):
+        meta = {"type": "chunk", "index": index, "first_frame": index, "num_frames": 1, "bytes": 48}
+        return json.dumps({**meta, "branch": branch}), bytes(48)
+
+    async def handler(ws):
+        await ws.recv()
+        await ws.send(json.dumps(started))
+        fork = json.loads(await ws.recv())
+        await ws.send(json.dumps({"type": "session.forked", "id": fork["id"], "branches": [1]}))
+        for index in range(3):  # it asked for 2
+            for message in chunk(index + 1, 1):
+                await ws.send(message)
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        async with StreamWorldClient(f"ws://127.0.0.1:{port}/v1/stream", format="rgb") as client:
+            (branch,) = await client.fork([{"num_chunks": 2}])
+            taken = []
+
+            async def drain():
+                async for chunk in branch.chunks():
+                    taken.append(chunk)
+
+            with pytest.raises(StreamWorldError) as caught:
+                await asyncio.wait_for(drain(), 60)  # without the bound: no end, a timeout
+    assert len(taken) == 2 and caught.value.code == "protocol" and "asked for" in caught.value.message

@@ -212,6 +212,40 @@ def test_start_button_key_presses_reach_the_server_and_stop_frees_the_kv_cache(r
     assert page.console_errors == []
 
 
+def test_a_new_scene_while_streaming_replaces_the_session_and_keeps_playing(server, page):
+    """The old socket's close must not end the new session (it once did: the handlers read
+    the global session), and a key held down sends at most one action a frame."""
+    page.goto(f"{server}/?format=jpeg&seed=5")
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+    page.click("#start")
+    _wait_frames(page, 4)
+    first = _stats(page)["sessionId"]
+    page.click("#new-scene")
+    page.wait_for_function(
+        f"() => window.streamworld.sessionId && window.streamworld.sessionId !== '{first}'", timeout=60000
+    )
+    _wait_frames(page, 8)
+    time.sleep(1.0)  # the old socket has long closed by now
+    stats = _stats(page)
+    assert stats["state"] == "running" and stats["errors"] == [], stats
+    shown = stats["framesShown"]
+    _wait_frames(page, shown + 10)  # still playing
+    page.focus("#screen")
+    sent = _stats(page)["actionsSent"]
+    for _ in range(30):  # a held key: after the first, keydown events with repeat set
+        page.keyboard.down("ArrowRight")
+    page.keyboard.up("ArrowRight")
+    # One action for the press, then at most one a frame (100 ms): far fewer than 30 here.
+    assert 1 <= _stats(page)["actionsSent"] - sent < 15
+    page.click("#stop")
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+    deadline = time.monotonic() + 20
+    while _metric(server, "streamworld_kv_pages_used") != 0:
+        assert time.monotonic() < deadline, "KV pages were not returned: a session was left running"
+        time.sleep(0.25)
+    assert page.console_errors == []
+
+
 def test_a_text_model_takes_a_prompt_and_switches_it_mid_stream(server, page):
     page.goto(f"{server}/?model=tiny-wan&format=jpeg&seed=1")
     page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")

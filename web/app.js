@@ -3,7 +3,7 @@
 // Protocol: docs/protocol.md. Frames arrive as `chunk` messages, each followed by one binary
 // payload: H.264 access units decoded with WebCodecs, or JPEG files where WebCodecs is
 // missing. Frames are shown at the stream's frame rate as soon as they are decoded.
-// URL parameters: model, format (auto|h264|jpeg), seed, autostart=1.
+// URL parameters: model, format (auto|h264|jpeg), seed, autostart=1, token (a server's token).
 
 const $ = (id) => document.getElementById(id);
 const PUSHT_WORLD = 512; // pusht actions: the agent's target (x, y) in world units, y down
@@ -29,10 +29,16 @@ const tokenQuery = token ? `?token=${encodeURIComponent(token)}` : "";
 
 let models = [];
 let session = null; // the live session, see start()
+let starting = false; // start() is reading its inputs: a second Start waits for it
+const MAX_IMAGE_BYTES = 6 * 1024 * 1024; // 8 MiB of base64, the server's bound
 
 // --- models -------------------------------------------------------------------------------
 async function loadModels() {
   const resp = await fetch(`/v1/models${tokenQuery}`);
+  if (resp.status === 401) {
+    throw new Error(token ? "the server refused this page's token" : "this server needs a token: open the page with ?token=TOKEN");
+  }
+  if (!resp.ok) throw new Error(`the server answered ${resp.status}`);
   models = (await resp.json()).models;
   const select = $("model");
   select.replaceChildren(...models.map((m) => new Option(`${m.id}${m.default ? " (default)" : ""}`, m.id)));
@@ -135,7 +141,8 @@ class H264Decoder {
 
 // --- display ------------------------------------------------------------------------------------
 class Player {
-  constructor(canvas, fps) {
+  constructor(canvas, fps, framesPerChunk) {
+    this.maxQueue = Math.max(2, 2 * framesPerChunk);
     this.canvas = canvas;
     this.ctx = canvas.getContext("2d");
     this.queue = [];
@@ -148,7 +155,7 @@ class Player {
   push(frame) {
     this.queue.push(frame);
     // Low latency: never let more than two chunks' worth of frames wait.
-    while (this.queue.length > 24) release(this.queue.shift());
+    while (this.queue.length > this.maxQueue) release(this.queue.shift());
   }
   tick() {
     const now = performance.now();
@@ -187,6 +194,7 @@ function release(frame) {
 async function readImage() {
   const file = $("image").files[0];
   if (!file) return null;
+  if (file.size > MAX_IMAGE_BYTES) throw new Error("the first frame is larger than 6 MiB");
   return await new Promise((resolve, reject) => {
     const reader = new FileReader();
     reader.onload = () => resolve(reader.result);
@@ -196,7 +204,20 @@ async function readImage() {
 }
 
 async function start() {
-  if (session) return;
+  if (session || starting) return;
+  starting = true;
+  $("start").disabled = true;
+  try {
+    await open();
+  } catch (e) {
+    setStatus(`Could not start: ${e.message}`);
+  } finally {
+    starting = false;
+    if (!session) setButtons(false);
+  }
+}
+
+async function open() {
   const model = currentModel();
   if (!model) return setStatus("No model is served.");
   let format = $("format").value;
@@ -217,13 +238,15 @@ async function start() {
 
   const ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/stream${tokenQuery}`);
   ws.binaryType = "arraybuffer";
-  session = {
-    ws, model, format, pending: null, decoder: null, player: null, action: null,
-    startedAt: performance.now(), lastActionAt: null, dragging: false, lastSend: 0, ended: false,
+  // Each socket's handlers hold their own session: one that a newer session replaced is ignored.
+  const s = {
+    ws, model, format, pending: null, decoder: null, player: null, action: null, decoding: Promise.resolve(),
+    startedAt: performance.now(), lastActionAt: null, dragging: false, lastSend: 0, ended: false, doneReason: null,
   };
+  session = s;
   Object.assign(stats, {
     state: "connecting", sessionId: null, framesShown: 0, chunks: 0, queuePosition: null,
-    ttffMs: null, actionToFrameMs: null, decoder: null,
+    ttffMs: null, actionToFrameMs: null, decoder: null, lastAction: null, actionsSent: 0, promptsSent: 0,
   });
   setButtons(true);
   clearError();
@@ -231,8 +254,8 @@ async function start() {
   drawIdle("Connecting...");
   setStatus("Connecting...");
   ws.onopen = () => ws.send(JSON.stringify(message));
-  ws.onmessage = (event) => onMessage(session, event).catch((e) => fail(`client error: ${e.message}`));
-  ws.onclose = (event) => onClose(session, event);
+  ws.onmessage = (event) => onMessage(s, event).catch((e) => s === session && fail(`client error: ${e.message}`));
+  ws.onclose = (event) => onClose(s, event);
 }
 
 async function onMessage(s, event) {
@@ -242,7 +265,10 @@ async function onMessage(s, event) {
     s.pending = null;
     if (!meta || !s.decoder) return;
     noteActionLatency(s, meta);
-    await s.decoder.decode(event.data, meta);
+    // One chunk at a time, in order: frames of two chunks decoding at once would interleave.
+    const decoder = s.decoder;
+    s.decoding = s.decoding.then(() => (s === session ? decoder.decode(event.data, meta) : undefined));
+    await s.decoding;
     return;
   }
   const msg = JSON.parse(event.data);
@@ -263,13 +289,19 @@ async function onMessage(s, event) {
       break;
     case "error":
       stats.errors.push(msg);
+      if (msg.code === "bad_request" && stats.state === "running") {
+        // The session goes on (a message it refused): say so, and keep the stream.
+        showError(`The server refused a message (the session goes on): ${msg.message}`);
+        break;
+      }
       s.serverError = msg;
       showError(`Server error (${msg.code}): ${msg.message}`);
       setStatus(`Server: ${msg.code}: ${msg.message}`);
       break;
     case "session.done":
       s.ended = true;
-      setStatus(`Session ended (${msg.reason}) after ${msg.chunks} chunks.`);
+      s.doneReason = msg.reason;
+      if (msg.reason !== "error") setStatus(`Session ended (${msg.reason}) after ${msg.chunks} chunks.`);
       s.ws.close(1000);
       break;
     default:
@@ -286,7 +318,7 @@ function onStarted(s, msg) {
   canvas.width = msg.width * scale;
   canvas.height = msg.height * scale;
   s.fps = msg.fps;
-  s.player = new Player(canvas, msg.fps);
+  s.player = new Player(canvas, msg.fps, msg.frames_per_chunk || 12);
   const onFrame = (frame) => (s === session && s.player ? s.player.push(frame) : release(frame));
   s.decoder = msg.format === "h264"
     ? new H264Decoder(msg.codec, msg.fps, onFrame, (e) => fail(`decoder: ${e.message}`))
@@ -331,6 +363,11 @@ function onKey(event) {
   if (!s || !dir || !s.model.action_dim || stats.state !== "running") return;
   if (event.target instanceof HTMLInputElement || event.target instanceof HTMLSelectElement) return;
   event.preventDefault();
+  // A held key repeats about 30 times a second: at most one action a frame, or the actions
+  // would queue ever further ahead of the frames.
+  const now = performance.now();
+  if (event.repeat && now - s.lastSend < 1000 / (s.fps || 10)) return;
+  s.lastSend = now;
   let v = [...(s.action || new Array(s.model.action_dim).fill(0))];
   if (isPushT(s.model)) {
     const d = { up: [0, -KEY_STEP], down: [0, KEY_STEP], left: [-KEY_STEP, 0], right: [KEY_STEP, 0], stay: [0, 0] }[dir];
@@ -395,6 +432,11 @@ const CLOSE_MEANINGS = {
 
 function onClose(s, event) {
   if (s !== session) return;
+  if (s.failure) return finish(s.failure);
+  if (s.doneReason === "error") {
+    const why = s.serverError ? `${s.serverError.code}: ${s.serverError.message}` : "the session ended in error";
+    return finish(`Session failed: ${why}`);
+  }
   if (event.code === 1000 || s.ended) return finish(null);
   // The server says why in an `error` message before it closes; show that, else the close code.
   const why = s.serverError
@@ -419,6 +461,11 @@ function finish(problem) {
     $("st-chunk").textContent = "-";
     drawIdle("The session failed: see the message above.");
     setStatus(problem);
+  } else if (!s.doneReason) {
+    // Stopped before the server said the session was done (while connecting or queued, or
+    // the stop went unanswered): no stale "Connecting..." or "Streaming".
+    setStatus("Stopped.");
+    if (!stats.framesShown) drawIdle("Press Start");
   }
 }
 
@@ -426,7 +473,10 @@ function fail(message) {
   stats.errors.push({ code: "client", message });
   showError(message);
   setStatus(message);
-  if (session) session.ws.close(1000);
+  if (session) {
+    session.failure = message; // what onClose reports once the socket has closed
+    session.ws.close(1000);
+  }
 }
 
 function newScene() {
@@ -498,7 +548,8 @@ function renderStats() {
 
 async function main() {
   const params = new URLSearchParams(location.search);
-  if (params.get("format")) $("format").value = params.get("format");
+  const format = params.get("format");
+  if (format && [...$("format").options].some((o) => o.value === format)) $("format").value = format;
   if (params.get("seed")) $("seed").value = params.get("seed");
   $("model").addEventListener("change", showModel);
   $("start").addEventListener("click", start);

@@ -144,6 +144,16 @@ def _wait_frames(page, n: int, timeout_s: float = 60) -> None:
     )
 
 
+def _stop_and_wait_pages_freed(page, server: str) -> None:
+    """Stop, then every K/V page back on the server (none left to a session still running)."""
+    page.click("#stop")
+    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
+    deadline = time.monotonic() + 20
+    while _metric(server, "streamworld_kv_pages_used") != 0:
+        assert time.monotonic() < deadline, "KV pages were not returned after stop"
+        time.sleep(0.25)
+
+
 def _canvas_digest(page) -> str:
     return page.evaluate(
         """() => { const c = document.getElementById('screen');
@@ -202,12 +212,7 @@ def test_start_button_key_presses_reach_the_server_and_stop_frees_the_kv_cache(r
     while _metric(server, "streamworld_action_to_frame_seconds_count") <= observed:
         assert time.monotonic() < deadline, "the server never showed a frame for the key presses"
         time.sleep(0.25)
-    page.click("#stop")
-    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
-    deadline = time.monotonic() + 20
-    while _metric(server, "streamworld_kv_pages_used") != 0:
-        assert time.monotonic() < deadline, "KV pages were not returned after stop"
-        time.sleep(0.25)
+    _stop_and_wait_pages_freed(page, server)
     assert "ended" in page.inner_text("#status")
     assert page.console_errors == []
 
@@ -237,12 +242,7 @@ def test_a_new_scene_while_streaming_replaces_the_session_and_keeps_playing(serv
     page.keyboard.up("ArrowRight")
     # One action for the press, then at most one a frame (100 ms): far fewer than 30 here.
     assert 1 <= _stats(page)["actionsSent"] - sent < 15
-    page.click("#stop")
-    page.wait_for_function("() => window.streamworld.state === 'idle'", timeout=20000)
-    deadline = time.monotonic() + 20
-    while _metric(server, "streamworld_kv_pages_used") != 0:
-        assert time.monotonic() < deadline, "KV pages were not returned: a session was left running"
-        time.sleep(0.25)
+    _stop_and_wait_pages_freed(page, server)
     assert page.console_errors == []
 
 

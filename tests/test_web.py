@@ -242,6 +242,14 @@ def test_a_new_scene_while_streaming_replaces_the_session_and_keeps_playing(serv
     page.keyboard.up("ArrowRight")
     # One action for the press, then at most one a frame (100 ms): far fewer than 30 here.
     assert 1 <= _stats(page)["actionsSent"] - sent < 15
+    # A fast drag: moves within one frame are held back, but the drag ends where it ends.
+    box = page.locator("#screen").bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.25, box["y"] + box["height"] * 0.5)
+    page.mouse.down()
+    for f in (0.3, 0.4, 0.5, 0.6, 0.75):
+        page.mouse.move(box["x"] + box["width"] * f, box["y"] + box["height"] * 0.5)
+    page.mouse.up()
+    assert _stats(page)["lastAction"][0] == pytest.approx(0.75 * 512, abs=2)
     _stop_and_wait_pages_freed(page, server)
     assert page.console_errors == []
 

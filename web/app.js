@@ -30,7 +30,9 @@ const tokenQuery = token ? `?token=${encodeURIComponent(token)}` : "";
 let models = [];
 let session = null; // the live session, see start()
 let starting = false; // start() is reading its inputs: a second Start waits for it
-const MAX_IMAGE_BYTES = 6 * 1024 * 1024; // 8 MiB of base64, the server's bound
+// The server takes text messages of at most 8 MiB, session.start with its base64 image too:
+// 6 MiB of file is 8 MiB of base64, so a little less leaves room for the other fields.
+const MAX_IMAGE_BYTES = 6 * 1024 * 1024 - 4096;
 
 // --- models -------------------------------------------------------------------------------
 async function loadModels() {
@@ -194,7 +196,7 @@ function release(frame) {
 async function readImage() {
   const file = $("image").files[0];
   if (!file) return null;
-  if (file.size > MAX_IMAGE_BYTES) throw new Error("the first frame is larger than 6 MiB");
+  if (file.size > MAX_IMAGE_BYTES) throw new Error("the first frame is larger than the server takes (6 MiB)");
   return await new Promise((resolve, reject) => {
     const reader = new FileReader();
     reader.onload = () => resolve(reader.result);
@@ -267,6 +269,7 @@ async function onMessage(s, event) {
     noteActionLatency(s, meta);
     // One chunk at a time, in order: frames of two chunks decoding at once would interleave.
     const decoder = s.decoder;
+    if (s.failure) return;
     s.decoding = s.decoding.then(() => (s === session ? decoder.decode(event.data, meta) : undefined));
     await s.decoding;
     return;
@@ -321,7 +324,7 @@ function onStarted(s, msg) {
   s.player = new Player(canvas, msg.fps, msg.frames_per_chunk || 12);
   const onFrame = (frame) => (s === session && s.player ? s.player.push(frame) : release(frame));
   s.decoder = msg.format === "h264"
-    ? new H264Decoder(msg.codec, msg.fps, onFrame, (e) => fail(`decoder: ${e.message}`))
+    ? new H264Decoder(msg.codec, msg.fps, onFrame, (e) => s === session && fail(`decoder: ${e.message}`))
     : new JpegDecoder(onFrame);
   stats.decoder = s.decoder.name;
   setStatus(`Streaming ${msg.model} (seed ${msg.seed}, ${msg.kv_mode} KV).`);
@@ -386,14 +389,24 @@ function onPointer(event) {
   const s = session;
   if (!s || !isPushT(s.model) || stats.state !== "running") return;
   if (event.type === "pointerdown") s.dragging = true;
-  if (event.type === "pointerup" || event.type === "pointerleave") s.dragging = false;
-  if (!s.dragging || event.type === "pointerup") return;
+  if (event.type === "pointerup" || event.type === "pointerleave") {
+    // The drag ends where the pointer is: send the last position the throttle held back.
+    if (s.dragging && s.heldBack) sendAction(s, s.heldBack);
+    s.dragging = false;
+    s.heldBack = null;
+    return;
+  }
+  if (!s.dragging) return;
   const rect = event.currentTarget.getBoundingClientRect();
   const x = clamp(((event.clientX - rect.left) / rect.width) * PUSHT_WORLD, 0, PUSHT_WORLD);
   const y = clamp(((event.clientY - rect.top) / rect.height) * PUSHT_WORLD, 0, PUSHT_WORLD);
   const now = performance.now();
-  if (event.type === "pointermove" && now - s.lastSend < 1000 / (s.fps || 10)) return; // one per frame
+  if (event.type === "pointermove" && now - s.lastSend < 1000 / (s.fps || 10)) {
+    s.heldBack = [x, y]; // one action a frame
+    return;
+  }
   s.lastSend = now;
+  s.heldBack = null;
   sendAction(s, [x, y]);
 }
 
@@ -414,7 +427,11 @@ function stop() {
   if (s.ws.readyState === WebSocket.OPEN && stats.state === "running") {
     stats.state = "stopping";
     s.ws.send(JSON.stringify({ type: "session.stop" }));
-    setTimeout(() => s === session && s.ws.close(1000), 3000);
+    setTimeout(() => {
+      if (s !== session) return;
+      s.ended = true; // a Stop, however the close ends
+      s.ws.close(1000);
+    }, 3000);
   } else {
     s.ended = true;
     s.ws.close(1000);
@@ -470,6 +487,7 @@ function finish(problem) {
 }
 
 function fail(message) {
+  if (session && session.failure) return; // the first cause is the one to report
   stats.errors.push({ code: "client", message });
   showError(message);
   setStatus(message);
@@ -480,6 +498,7 @@ function fail(message) {
 }
 
 function newScene() {
+  if (starting) return;
   $("seed").value = String(Math.floor(Math.random() * 1e9));
   if (session) {
     const s = session;

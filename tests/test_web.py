@@ -106,6 +106,12 @@ def server():
 
 
 @pytest.fixture(scope="module")
+def token_server():
+    """A server that needs a token."""
+    yield from _serve("--auth-token", "t0k3n")
+
+
+@pytest.fixture(scope="module")
 def asgi_server():
     """The same server as an ASGI application under uvicorn (`--transport asgi`)."""
     yield from _serve("--transport", "asgi")
@@ -402,3 +408,20 @@ def test_the_protocol_docs_javascript_example_plays_and_steers_pusht(server, pag
         "() => document.getElementById('log').textContent.includes('done: stopped')", timeout=30000
     )
     assert page.console_errors == []
+
+
+def test_the_token_leaves_the_address_bar_and_a_page_without_one_says_it_is_needed(token_server, browser):
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{token_server}/?format=jpeg&token=t0k3n&seed=2&autostart=1")
+    _wait_frames(page, 4)
+    assert "t0k3n" not in page.url and "seed=2" in page.url  # history keeps the page without it
+    page.reload()  # the tab remembers it
+    page.wait_for_function("() => document.querySelectorAll('#model option').length === 2")
+    context.close()
+    context = browser.new_context()  # a new visitor without the token
+    page = context.new_page()
+    page.goto(f"{token_server}/")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('token')")
+    assert "?token=" in page.inner_text("#status")
+    context.close()

@@ -23,9 +23,22 @@ const stats = {
 window.streamworld = stats;
 
 // A server started with a token: the page's own ?token= is passed on (browsers cannot set an
-// Authorization header on a WebSocket).
-const token = new URLSearchParams(location.search).get("token");
+// Authorization header on a WebSocket). It is taken out of the address bar at once, so that
+// it stays out of the browser's history, and kept for this tab only (sessionStorage).
+const TOKEN_KEY = "streamworld-token";
+const token = takeToken();
 const tokenQuery = token ? `?token=${encodeURIComponent(token)}` : "";
+
+function takeToken() {
+  const params = new URLSearchParams(location.search);
+  if (!params.has("token")) return sessionStorage.getItem(TOKEN_KEY);
+  const given = params.get("token");
+  sessionStorage.setItem(TOKEN_KEY, given);
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(null, "", location.pathname + (rest ? `?${rest}` : "") + location.hash);
+  return given;
+}
 
 let models = [];
 let session = null; // the live session, see start()

@@ -48,9 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamworld.engine import GenerationRequest, ReferenceGenerator
+from streamworld.engine import ReferenceGenerator
 from streamworld.models import get_preset
-from streamworld.pusht.evaluate import block_angle, parse_seeds, record_eval_episode
+from streamworld.pusht.evaluate import block_angle, parse_seeds, predict_episode, record_eval_episode
 from streamworld.pusht.world import angle_error, locate, palette_weights
 
 HORIZONS = (8, 16, 32)
@@ -197,17 +197,11 @@ def run(args: argparse.Namespace) -> dict:
         if kind == "ddim":
             model.schedule = DeterministicSchedule(model.schedule)
         generator = ReferenceGenerator(model)
-        fpc = model.config.frames_per_chunk
+        num_chunks = math.ceil(max(HORIZONS) / model.config.frames_per_chunk)
         rows, start = [], time.perf_counter()
         for ep in episodes:
-            request = GenerationRequest(
-                seed=args.noise_seed,
-                num_chunks=math.ceil(max(HORIZONS) / fpc),
-                image=ep.frames[0],
-                actions=ep.actions,
-                kv_mode=args.kv_mode,
-            )
-            rows.append(score(generator.generate(request).frames, ep, offset))
+            pred = predict_episode(generator, ep, args.kv_mode, num_chunks, args.noise_seed)
+            rows.append(score(pred, ep, offset))
         name = f"{kind}:{','.join(f'{s:g}' for s in steps)}"
         samplers[name] = {
             "steps": len(steps),

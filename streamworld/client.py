@@ -193,9 +193,7 @@ class _ChunkSequence:
 class Branch:
     """One branch of a fork (`StreamWorldClient.fork`): its chunks, then how it ended."""
 
-    def __init__(
-        self, client: StreamWorldClient, number: int, fmt: str, num_chunks: int = MAX_BRANCH_CHUNKS
-    ) -> None:
+    def __init__(self, client: StreamWorldClient, number: int, fmt: str, num_chunks: int) -> None:
         self.client = client
         self.number = number  # the session's branch number, from 1
         self.format = fmt
@@ -606,7 +604,8 @@ class StreamWorldClient:
             raise StreamWorldError(
                 "protocol", f"session.forked with {len(numbers)} branches, {len(counts)} asked for"
             )
-        branches = [Branch(self, n, fmt, *counts[i : i + 1]) for i, n in enumerate(numbers)]
+        asked = counts or [MAX_BRANCH_CHUNKS] * len(numbers)  # a fork this client does not know
+        branches = [Branch(self, n, fmt, c) for n, c in zip(numbers, asked, strict=True)]
         self.branches.update((b.number, b) for b in branches)
         if waiter is not None and not waiter.done():
             waiter.set_result(branches)
@@ -693,15 +692,12 @@ class StreamWorldClient:
                     if item.error is not None:
                         raise item.error
                     return
-                self._taken(item)
+                self.buffered_bytes -= len(item.data)
                 chunk = await self._to_chunk(item)
             yield chunk
             if self.auto_ack:  # the caller is back for more: it has consumed this one
                 with contextlib.suppress(StreamWorldError):  # the session may just have ended
                     await self.ack(chunk.index)
-
-    def _taken(self, item: _Payload) -> None:
-        self.buffered_bytes -= len(item.data)
 
     async def _to_chunk(self, item: _Payload, decoder: ChunkDecoder | None = None) -> Chunk:
         meta = item.meta

@@ -207,9 +207,8 @@ def _read_folder(folder: Path) -> dict[str, object]:
             raise CheckpointLayoutError(
                 f"DiT checkpoint index {weights}: its weight_map must name shard files in the same folder"
             )
-        shards = set(names)
         state_dict: dict[str, object] = {}
-        for shard in sorted(shards):
+        for shard in sorted(set(names)):
             state_dict.update(_read_file(folder / shard))
         return state_dict
     raise FileNotFoundError(

@@ -230,7 +230,7 @@ def evaluate(
             turned[h].append(angle_error(ep.angles[0], ep.angles[h]))
         for name, scored in predictors.items():
             start = time.perf_counter()
-            pred = _predict(generator, ep, name, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
+            pred = predict_episode(generator, ep, name, num_chunks, noise_seed)  # [T, S, S, 3]: frames 1..
             scored.seconds += time.perf_counter() - start
             scored.rows.append([frame_metrics(pred[h - 1], ep.frames[h]) for h in range(1, horizon + 1)])
             for h in shape_horizons:
@@ -368,7 +368,7 @@ def _summarise(per_seed: list[list[dict[str, float]]], horizon: int) -> dict[str
     return {k: [round(_nanmean([s[h][k] for s in per_seed]), 4) for h in range(horizon)] for k in keys}
 
 
-def _predict(
+def predict_episode(
     generator: ReferenceGenerator, ep: Episode, mode: str, num_chunks: int, noise_seed: int
 ) -> np.ndarray:
     """The frames after the first that `mode` (a KV mode, or teacher-forced) predicts."""

@@ -10,6 +10,7 @@ import torch
 
 from streamworld.engine.reference import ContiguousKVCache
 from streamworld.models.causal_wan import ChunkInput
+from streamworld.models.pixels import frames_to_latents
 from streamworld.models.presets import PUSHT
 from streamworld.models.world_model import WorldModel
 from streamworld.pusht.train import clip_layout, clip_length, smoke_config
@@ -656,6 +657,9 @@ def test_each_unrolled_chunk_runs_the_closed_part_of_the_layout_it_reads(monkeyp
         ({"unroll_share": 0.1}, "rounds to no clip"),  # 0.4 of a batch of 4
         ({"unroll_loss": "l3"}, "--unroll-loss must be one of l2, l1"),
         ({"unroll_share": 0.0, "unroll_loss": "l1"}, "give --unroll-share too"),
+        ({"unroll_share": 0.0, "adversarial_weight": 0.5}, "judges the unrolled rollouts"),
+        ({"adversarial_weight": -0.5}, "must not be negative"),
+        ({"adversarial_weight": 0.5, "adversarial_start": -1}, "must not be negative"),
     ],
 )
 def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
@@ -674,12 +678,19 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
     assert cli_main([*smoke, "--workdir", str(work), "--clip-chunks", "2", "--unroll-share", "0.5"]) == 0
     history = torch.load(work / "checkpoint.pt", weights_only=True)["history"]
     assert history and "loss_unrolled" in history[-1]
+    adversarial = tmp_path / "adversarial"
+    flags = ["--clip-chunks", "2", "--unroll-share", "0.5", "--adversarial-weight", "0.5"]
+    assert cli_main([*smoke, "--workdir", str(adversarial), *flags, "--adversarial-start", "0"]) == 0
+    state = torch.load(adversarial / "checkpoint.pt", weights_only=True)
+    assert {"loss_disc", "loss_adversarial"} <= state["history"][-1].keys() and "disc" in state
     refused = {
         ("--unroll-share", "0.5"): "--clip-chunks",
         ("--unroll-share", "0.5", "--clip-chunks", "2", "--rollout-share", "0.5"): "cannot be combined",
         ("--unroll-share", "1.5", "--clip-chunks", "2"): "in [0, 1]",
         ("--unroll-share", "0.25", "--clip-chunks", "2"): "rounds to no clip",  # the smoke batch is 2
         ("--unroll-loss", "l1"): "give --unroll-share too",
+        ("--adversarial-weight", "0.5"): "give --unroll-share too",
+        ("--adversarial-weight", "-1", "--clip-chunks", "2", "--unroll-share", "0.5"): "at least 0",
     }
     for extra, reason in refused.items():
         other = tmp_path / "refused"
@@ -711,3 +722,72 @@ def test_the_train_speed_benchmark_counts_and_times_the_unrolled_objective(tmp_p
     expected = bench.model_flops(bench.variant_config(2, 2, 64), 2, 3, 1)
     assert row["model_tflop_per_step"] == pytest.approx(expected / 1e12, rel=1e-3)
     assert expected != pytest.approx(bench.model_flops(bench.variant_config(2, 2, 64), 2, 3, 0), rel=1e-2)
+
+
+def test_an_action_map_peaks_at_the_pixel_the_agent_is_driven_to():
+    from streamworld.pusht.adversarial import action_maps
+
+    actions = torch.tensor([[[100.0, 300.0], [500.0, 20.0]]])  # world (x, y), 8 units a pixel
+    maps = action_maps(actions, 64)
+    assert maps.shape == (1, 1, 2, 64, 64)
+    for frame, (row, col) in enumerate([(37, 12), (2, 62)]):  # (y / 8, x / 8)
+        peak = int(maps[0, 0, frame].argmax())
+        assert divmod(peak, 64) == (row, col)
+    assert float(maps.max()) <= 1.0 and float(maps[0, 0, 0, 0, 63]) < 1e-6
+
+
+def test_the_adaptive_weight_gives_the_adversarial_gradient_its_ratio_at_the_layer():
+    from streamworld.pusht.adversarial import adaptive_weight
+
+    layer = torch.nn.Parameter(torch.randn(3, 4))
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    regression, adversarial = (layer * a).sum().square(), (layer * b).sum()
+    weight = adaptive_weight(regression, adversarial, layer, 0.3)
+    (g_reg,) = torch.autograd.grad(regression, layer, retain_graph=True)
+    (g_adv,) = torch.autograd.grad(weight * adversarial, layer)
+    assert float(g_adv.norm()) == pytest.approx(0.3 * float(g_reg.norm()), rel=1e-5)
+    assert not weight.requires_grad
+
+
+def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its_start(data_24, tmp_path):
+    """With `adversarial_weight`, every step first trains the discriminator on the true
+    clips against the unrolled rollouts, and from `adversarial_start` on the rollouts' loss
+    adds its verdict times the adaptive weight; the discriminator's own weights get no
+    gradient from that term."""
+    trainer = _unroll_trainer(
+        data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=2, lr=2e-3, warmup_steps=1
+    )
+    batch = trainer.batcher.sample(4)
+    trainer.next_batch = lambda: batch  # one batch: the discriminator can learn it
+    first = {k: v.clone() for k, v in trainer.disc.state_dict().items()}
+    stats = [trainer.train_step() for _ in range(5)]
+    assert all("loss_adversarial" not in row for row in stats[:2])
+    assert all({"loss_adversarial", "adversarial_scale"} <= row.keys() for row in stats[2:])
+    assert any(not torch.equal(first[k], v) for k, v in trainer.disc.state_dict().items())
+    assert stats[-1]["loss_disc"] < stats[0]["loss_disc"]  # it tells the two apart better
+    assert stats[-1]["disc_real"] > stats[-1]["disc_fake"]
+    for row in stats[2:]:  # the whole batch is unrolled: the loss is the two terms
+        expected = row["loss_unrolled"] + row["adversarial_scale"] * row["loss_adversarial"]
+        assert row["loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+
+    trainer.disc.zero_grad(set_to_none=True)
+    frames = batch["frames"]
+    latents = frames_to_latents(frames, trainer.mcfg.anchored_pixels)
+    noise = torch.randn(latents[:, :, 1:].shape)
+    pred = trainer.unrolled(frames, batch["actions"], noise)
+    regression = (pred - latents[:, :, 1:]).square().mean()
+    loss, _ = trainer.adversarial_term(regression, latents[:, :, :1], pred, batch["actions"])
+    loss.backward()
+    assert all(p.grad is None for p in trainer.disc.parameters())
+    assert all(p.requires_grad for p in trainer.disc.parameters())  # for its own next step
+
+
+def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=0)
+    trainer.train_step()
+    trainer.save_checkpoint()
+    resumed = _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=0)
+    assert resumed.step == 1
+    for key, value in trainer.disc.state_dict().items():
+        assert torch.equal(resumed.disc.state_dict()[key], value), key
+    assert resumed.disc_opt.state_dict()["state"]  # Adam's moments came back too

@@ -216,6 +216,23 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         "absolute error for their median; in a CPU pilot l1 lost the block more often, not less "
         "(docs/pusht.md); with --unroll-share only",
     )
+    group.add_argument(
+        "--adversarial-weight",
+        type=float,
+        default=0.0,
+        help="with --unroll-share: also train a discriminator that tells true clips from the "
+        "unrolled rollouts of the same first frame and actions, and add its verdict on the "
+        "rollouts to their loss, weighted so that its gradient at the DiT's output layer is this "
+        "many times the regression's (try 0.1-0.5). A squared error rewards a blur where the "
+        "future is uncertain; the discriminator rewards one sharp future. The discriminator is "
+        "kept in the checkpoint, not in the exported weights (default 0: none; docs/pusht.md)",
+    )
+    group.add_argument(
+        "--adversarial-start",
+        type=int,
+        default=100,
+        help="steps the discriminator trains alone before its verdict joins the loss (default 100)",
+    )
 
 
 def _configs(args: argparse.Namespace):
@@ -272,6 +289,8 @@ def _rollout_options(args: argparse.Namespace) -> dict:
         "rollout_share": args.rollout_share,
         "unroll_share": args.unroll_share,
         "unroll_loss": args.unroll_loss,
+        "adversarial_weight": args.adversarial_weight,
+        "adversarial_start": args.adversarial_start,
         "rollout_every": args.rollout_every,
         "rollout_episodes": args.rollout_episodes,
         "rollout_frames": args.rollout_frames,
@@ -282,7 +301,13 @@ def _rollout_options(args: argparse.Namespace) -> dict:
 
 
 def _check(args: argparse.Namespace, workdir: Path) -> None:
-    for name in ("change_weight", "block_weight", "rollout_max_mismatch"):
+    for name in (
+        "change_weight",
+        "block_weight",
+        "rollout_max_mismatch",
+        "adversarial_weight",
+        "adversarial_start",
+    ):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
     for name in ("push_share", "jump_share", "rollout_share", "unroll_share"):

@@ -72,6 +72,7 @@ from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.schedule import NUM_TRAIN_TIMESTEPS, FlowSchedule
 from ..models.world_model import WorldModel, image_as_last_frame, resolve_device
+from .adversarial import ClipDiscriminator, adaptive_weight, discriminator_loss, generator_loss
 from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
 from .world import block_mask
@@ -125,6 +126,11 @@ class TrainConfig:
     # future is uncertain the squared error is least for the mean of the outcomes, a blur;
     # the absolute error for their median, which does not average two places into one.
     unroll_loss: str = "l2"
+    # With unroll_share: the adversarial term's weight, as the ratio of its gradient norm to the
+    # unrolled regression's at the DiT's output layer (`adversarial.adaptive_weight`); 0 trains
+    # no discriminator. The term joins after `adversarial_start` steps of the discriminator alone.
+    adversarial_weight: float = 0.0
+    adversarial_start: int = 100
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -265,9 +271,13 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError(f"--unroll-share (unroll_share) must be in [0, 1], got {cfg.unroll_share}")
     if cfg.unroll_loss not in UNROLL_LOSSES:
         raise ValueError(f"--unroll-loss must be one of {', '.join(UNROLL_LOSSES)}, got {cfg.unroll_loss!r}")
+    if cfg.adversarial_weight < 0 or cfg.adversarial_start < 0:
+        raise ValueError("--adversarial-weight and --adversarial-start must not be negative")
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
+        if cfg.adversarial_weight:
+            raise ValueError("--adversarial-weight judges the unrolled rollouts: give --unroll-share too")
         return
     if cfg.clip_chunks is None:
         raise ValueError("--unroll-share unrolls stream clips: give --clip-chunks (clip_chunks) too")
@@ -765,6 +775,13 @@ class Trainer:
         self.text_zeros = torch.zeros(
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
+        # With `adversarial_weight`: the discriminator of the unrolled rollouts and its optimiser.
+        self.disc: ClipDiscriminator | None = None
+        if train_config.adversarial_weight:
+            self.disc = ClipDiscriminator(model_config.height).to(self.device).train()
+            self.disc_opt = torch.optim.AdamW(
+                self.disc.parameters(), lr=train_config.lr, betas=(0.5, 0.99), weight_decay=0.0
+            )
         self.history: list[dict] = []
         # Set (to a reason, e.g. "SIGTERM") to end `run` after the current step, with a
         # checkpoint, as if its time were up (`cli/train.py` sets it on SIGTERM and Ctrl-C).
@@ -808,6 +825,9 @@ class Trainer:
         self.dit.load_state_dict(state["dit"])
         self.ema = state["ema"]
         self.opt.load_state_dict(state["opt"])
+        if self.disc is not None:
+            self.disc.load_state_dict(state["disc"])
+            self.disc_opt.load_state_dict(state["disc_opt"])
         self.step = state["step"]
         self.history = state.get("history", [])
         self.gen.set_state(state["rng"].cpu())
@@ -824,6 +844,9 @@ class Trainer:
             "train_config": asdict(self.cfg),
             "run_settings": self.run_settings,
         }
+        if self.disc is not None:
+            state["disc"] = self.disc.state_dict()
+            state["disc_opt"] = self.disc_opt.state_dict()
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(self.checkpoint_path)
@@ -971,9 +994,12 @@ class Trainer:
     def unrolled_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """The unrolled sampler's error against the true clip (`unrolled`), over every chunk,
         squared or absolute (`unroll_loss`), with the change and block weights; stats: the
-        mean and the last chunk's."""
+        mean and the last chunk's. With `adversarial_weight`, the discriminator first takes a
+        step on these clips and rollouts, and after `adversarial_start` steps its verdict on
+        the rollouts joins the loss (`adversarial_term`)."""
         frames = batch["frames"]
-        x0 = frames_to_latents(frames, self.mcfg.anchored_pixels)[:, :, 1:]
+        latents = frames_to_latents(frames, self.mcfg.anchored_pixels)
+        sink, x0 = latents[:, :, :1], latents[:, :, 1:]
         noise = torch.randn(x0.shape, generator=self.gen, device=self.device)
         pred = self.unrolled(frames, batch["actions"], noise)
         err = self._weighted_error(pred, x0, frames, self.cfg.unroll_loss)  # [B, L]
@@ -982,7 +1008,51 @@ class Trainer:
             "loss_unrolled": float(err.detach().mean()),
             "loss_unrolled_last": float(last.detach().mean()),
         }
-        return err.mean(), stats
+        loss = err.mean()
+        if self.disc is None:
+            return loss, stats
+        stats |= self.discriminator_step(sink, x0, pred.detach(), batch["actions"])
+        if self.step >= self.cfg.adversarial_start:
+            loss, more = self.adversarial_term(loss, sink, pred, batch["actions"])
+            stats |= more
+        return loss, stats
+
+    def discriminator_step(
+        self, sink: torch.Tensor, real: torch.Tensor, fake: torch.Tensor, actions: torch.Tensor
+    ) -> dict[str, float]:
+        """One optimiser step of the discriminator: true clips against (detached) rollouts of
+        the same sinks and actions, at the schedule's learning rate."""
+        assert self.disc is not None
+        for group in self.disc_opt.param_groups:
+            group["lr"] = _lr_at(self.step, self.cfg)
+        d_real = self.disc(sink, real, actions)
+        d_fake = self.disc(sink, fake, actions)
+        loss = discriminator_loss(d_real, d_fake)
+        self.disc_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.disc_opt.step()
+        return {
+            "loss_disc": float(loss.detach()),
+            "disc_real": float(d_real.detach().mean()),
+            "disc_fake": float(d_fake.detach().mean()),
+        }
+
+    def adversarial_term(
+        self, regression: torch.Tensor, sink: torch.Tensor, pred: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """`regression` plus the discriminator's verdict on the rollouts `pred`, weighted so
+        that its gradient at the DiT's output layer is `adversarial_weight` times the
+        regression's (`adaptive_weight`). The discriminator's own weights get no gradient."""
+        assert self.disc is not None
+        self.disc.requires_grad_(False)
+        try:
+            adversarial = generator_loss(self.disc(sink, pred, actions))
+        finally:
+            self.disc.requires_grad_(True)
+        layer = self.dit.transformer.proj_out.weight
+        weight = adaptive_weight(regression, adversarial, layer, self.cfg.adversarial_weight)
+        stats = {"loss_adversarial": float(adversarial.detach()), "adversarial_scale": float(weight)}
+        return regression + weight * adversarial, stats
 
     def objective(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """The step's loss: `loss` on the batch, or with `unroll_share` the last share of its

@@ -1,0 +1,92 @@
+"""An adversarial term for the unrolled objective (`train pusht --adversarial-weight`).
+
+A squared (or absolute) error against the true frames is least, where the block's future is
+uncertain given the model's own earlier chunks, for a blur (or the median, which drops the
+block): neither rewards drawing one sharp future (docs/pusht.md, "An objective over whole
+rollouts"). A discriminator does. `ClipDiscriminator` judges a stream clip, the frames after
+its sink, given the sink frame and the clip's actions: true clips from the data set against
+the one-step sampler's own rollouts of the same sinks and actions (`Trainer.unrolled`). The
+sampler is then trained on the regression error plus a weight of the discriminator's verdict
+on its rollouts, the weight set each step so that the two gradients at the DiT's output layer
+have a fixed ratio (`adaptive_weight`), as VQGAN weighs its adversarial term. The losses are
+the hinge losses of SAGAN; the discriminator's convolutions are spectrally normalised.
+
+The discriminator is conditioned on the actions so that a sharp block moving the wrong way is
+as false as a blur: each frame gets a map of its action's target (`action_maps`), a bump at
+the pixel the agent is driven to. It sees the sink frame and each frame's change from it (the
+anchored latents themselves), so it judges motion, not only the look of one frame.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+# World units per pixel of the 64x64 frame (pusht/world.py) are 512 / size.
+WORLD_SIZE = 512.0
+
+
+def action_maps(actions: torch.Tensor, size: int, sigma: float = 1.5) -> torch.Tensor:
+    """A bump at each action's target: [B, L, 2] world (x, y) -> [B, 1, L, size, size].
+
+    Pixel (row, column) of world (x, y) is (y, x) * size / 512, at the pixel's centre."""
+    scale = size / WORLD_SIZE
+    centre = torch.arange(size, device=actions.device, dtype=torch.float32) + 0.5
+    x = actions[..., 0].float() * scale  # [B, L]
+    y = actions[..., 1].float() * scale
+    dx = (centre[None, None, None, :] - x[..., None, None]) ** 2  # [B, L, 1, W]
+    dy = (centre[None, None, :, None] - y[..., None, None]) ** 2  # [B, L, H, 1]
+    return torch.exp(-(dx + dy) / (2 * sigma * sigma))[:, None]
+
+
+class ClipDiscriminator(nn.Module):
+    """Patch logits [B, 1, L', h', w'] for clips: sink frame [B, 3, 1, S, S], latents of the
+    frames after it [B, 3, L, S, S] (their change from the sink, for anchored pixels) and
+    actions [B, L, 2]. A 3-d convolutional net over 7 channels (sink, change, action map),
+    strided in space 64 -> 8 and in time by 2, spectrally normalised."""
+
+    def __init__(self, size: int, width: int = 32) -> None:
+        super().__init__()
+        self.size = size
+
+        def conv(cin: int, cout: int, stride: tuple[int, int, int]) -> nn.Module:
+            return spectral_norm(nn.Conv3d(cin, cout, (3, 4, 4), stride, (1, 1, 1)))
+
+        self.net = nn.Sequential(
+            conv(7, width, (1, 2, 2)),
+            nn.LeakyReLU(0.2),
+            conv(width, 2 * width, (1, 2, 2)),
+            nn.LeakyReLU(0.2),
+            conv(2 * width, 4 * width, (2, 2, 2)),
+            nn.LeakyReLU(0.2),
+            spectral_norm(nn.Conv3d(4 * width, 1, 3, 1, 1)),
+        )
+
+    def forward(self, sink: torch.Tensor, latents: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        length, s = latents.shape[2], latents.shape[-1]
+        if s != self.size:
+            raise ValueError(f"the discriminator judges {self.size}px frames, got {s}px")
+        x = torch.cat([sink.expand(-1, -1, length, -1, -1), latents, action_maps(actions, s)], 1).float()
+        return self.net(x)
+
+
+def discriminator_loss(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """Hinge loss: true clips' logits above 1, rollouts' below -1."""
+    return torch.relu(1 - real).mean() + torch.relu(1 + fake).mean()
+
+
+def generator_loss(fake: torch.Tensor) -> torch.Tensor:
+    """The rollouts' side of the hinge: raise the discriminator's logits on them."""
+    return -fake.mean()
+
+
+def adaptive_weight(
+    regression: torch.Tensor, adversarial: torch.Tensor, layer: torch.Tensor, ratio: float
+) -> torch.Tensor:
+    """The adversarial term's weight so that its gradient at `layer` (the DiT's output
+    projection) has `ratio` times the regression's gradient norm there (detached; capped at
+    1e4 for a near-zero adversarial gradient)."""
+    g_reg = torch.autograd.grad(regression, layer, retain_graph=True)[0]
+    g_adv = torch.autograd.grad(adversarial, layer, retain_graph=True)[0]
+    return (ratio * g_reg.norm() / (g_adv.norm() + 1e-8)).clamp(max=1e4).detach()

@@ -764,8 +764,6 @@ def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its
     assert all("loss_adversarial" not in row for row in stats[:2])
     assert all({"loss_adversarial", "adversarial_scale"} <= row.keys() for row in stats[2:])
     assert any(not torch.equal(first[k], v) for k, v in trainer.disc.state_dict().items())
-    assert stats[-1]["loss_disc"] < stats[0]["loss_disc"]  # it tells the two apart better
-    assert stats[-1]["disc_real"] > stats[-1]["disc_fake"]
     for row in stats[2:]:  # the whole batch is unrolled: the loss is the two terms
         expected = row["loss_unrolled"] + row["adversarial_scale"] * row["loss_adversarial"]
         assert row["loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6)
@@ -780,6 +778,12 @@ def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its
     loss.backward()
     assert all(p.grad is None for p in trainer.disc.parameters())
     assert all(p.requires_grad for p in trainer.disc.parameters())  # for its own next step
+
+    # Its own steps teach it to tell these true clips from these rollouts.
+    sink, real, fake = latents[:, :, :1], latents[:, :, 1:], pred.detach()
+    steps = [trainer.discriminator_step(sink, real, fake, batch["actions"]) for _ in range(8)]
+    assert steps[-1]["loss_disc"] < steps[0]["loss_disc"] - 0.1
+    assert steps[-1]["disc_real"] > steps[-1]["disc_fake"]
 
 
 def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):

@@ -778,7 +778,9 @@ class Trainer:
         # With `adversarial_weight`: the discriminator of the unrolled rollouts and its optimiser.
         self.disc: ClipDiscriminator | None = None
         if train_config.adversarial_weight:
-            self.disc = ClipDiscriminator(model_config.height).to(self.device).train()
+            with torch.random.fork_rng(devices=[]):  # its initial weights follow the run's seed
+                torch.manual_seed(train_config.seed)
+                self.disc = ClipDiscriminator(model_config.height).to(self.device).train()
             self.disc_opt = torch.optim.AdamW(
                 self.disc.parameters(), lr=train_config.lr, betas=(0.5, 0.99), weight_decay=0.0
             )
@@ -1021,10 +1023,9 @@ class Trainer:
         self, sink: torch.Tensor, real: torch.Tensor, fake: torch.Tensor, actions: torch.Tensor
     ) -> dict[str, float]:
         """One optimiser step of the discriminator: true clips against (detached) rollouts of
-        the same sinks and actions, at the schedule's learning rate."""
+        the same sinks and actions, at the peak learning rate throughout (no warm-up or
+        decay: it starts from scratch, and must keep up with the sampler it judges)."""
         assert self.disc is not None
-        for group in self.disc_opt.param_groups:
-            group["lr"] = _lr_at(self.step, self.cfg)
         d_real = self.disc(sink, real, actions)
         d_fake = self.disc(sink, fake, actions)
         loss = discriminator_loss(d_real, d_fake)

@@ -658,8 +658,11 @@ def test_each_unrolled_chunk_runs_the_closed_part_of_the_layout_it_reads(monkeyp
         ({"unroll_loss": "l3"}, "--unroll-loss must be one of l2, l1"),
         ({"unroll_share": 0.0, "unroll_loss": "l1"}, "give --unroll-share too"),
         ({"unroll_share": 0.0, "adversarial_weight": 0.5}, "judges the unrolled rollouts"),
-        ({"adversarial_weight": -0.5}, "must not be negative"),
-        ({"adversarial_weight": 0.5, "adversarial_start": -1}, "must not be negative"),
+        ({"adversarial_weight": -0.5}, "negative"),
+        ({"adversarial_weight": float("nan")}, "must be finite"),
+        ({"adversarial_weight": float("inf")}, "must be finite"),
+        ({"adversarial_weight": 0.5, "adversarial_start": -1}, "negative"),
+        ({"adversarial_start": 5}, "give --adversarial-weight too"),
     ],
 )
 def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
@@ -795,3 +798,17 @@ def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):
     for key, value in trainer.disc.state_dict().items():
         assert torch.equal(resumed.disc.state_dict()[key], value), key
     assert resumed.disc_opt.state_dict()["state"]  # Adam's moments came back too
+
+
+def test_a_checkpoint_from_before_the_adversarial_setting_is_not_resumed_with_it(data_24, tmp_path):
+    """A checkpoint whose training config predates `adversarial_weight` passes the settings
+    check, which compares only what both record, but holds no discriminator to resume."""
+    plain = _unroll_trainer(data_24, tmp_path, "delta")
+    plain.train_step()
+    plain.save_checkpoint()
+    state = torch.load(plain.checkpoint_path, weights_only=True)
+    for name in ("adversarial_weight", "adversarial_start"):
+        del state["train_config"][name]
+    torch.save(state, plain.checkpoint_path)
+    with pytest.raises(ValueError, match="without a discriminator"):
+        _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5)

@@ -222,8 +222,9 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         default=0.0,
         help="with --unroll-share: also train a discriminator that tells true clips from the "
         "unrolled rollouts of the same first frame and actions, and add its verdict on the "
-        "rollouts to their loss, weighted so that its gradient at the DiT's output layer is this "
-        "many times the regression's (try 0.1-0.5). A squared error rewards a blur where the "
+        "rollouts to their loss, weighted so that its gradient on the rollouts' frames is this "
+        "many times the regression's (try 0.1-0.5; the logged loss then includes the term, "
+        "loss_unrolled is the regression alone). A squared error rewards a blur where the "
         "future is uncertain; the discriminator rewards one sharp future. The discriminator is "
         "kept in the checkpoint, not in the exported weights (default 0: none; docs/pusht.md)",
     )
@@ -231,7 +232,8 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         "--adversarial-start",
         type=int,
         default=100,
-        help="steps the discriminator trains alone before its verdict joins the loss (default 100)",
+        help="steps the discriminator trains alone before its verdict joins the loss; with "
+        "--adversarial-weight only (default 100)",
     )
 
 

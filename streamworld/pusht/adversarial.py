@@ -7,8 +7,9 @@ rollouts"). A discriminator does. `ClipDiscriminator` judges a stream clip, the 
 its sink, given the sink frame and the clip's actions: true clips from the data set against
 the one-step sampler's own rollouts of the same sinks and actions (`Trainer.unrolled`). The
 sampler is then trained on the regression error plus a weight of the discriminator's verdict
-on its rollouts, the weight set each step so that the two gradients at the DiT's output layer
-have a fixed ratio (`adaptive_weight`), as VQGAN weighs its adversarial term. The losses are
+on its rollouts, the weight set each step so that the two gradients on the rollouts' frames
+have a fixed ratio (`adaptive_weight`), as VQGAN weighs its adversarial term (there at the
+decoder's last layer). The losses are
 the hinge losses of SAGAN; the discriminator's convolutions are spectrally normalised.
 
 The discriminator is conditioned on the actions so that a sharp block moving the wrong way is
@@ -82,11 +83,12 @@ def generator_loss(fake: torch.Tensor) -> torch.Tensor:
 
 
 def adaptive_weight(
-    regression: torch.Tensor, adversarial: torch.Tensor, layer: torch.Tensor, ratio: float
+    regression: torch.Tensor, adversarial: torch.Tensor, at: torch.Tensor, ratio: float
 ) -> torch.Tensor:
-    """The adversarial term's weight so that its gradient at `layer` (the DiT's output
-    projection) has `ratio` times the regression's gradient norm there (detached; capped at
-    1e4 for a near-zero adversarial gradient)."""
-    g_reg = torch.autograd.grad(regression, layer, retain_graph=True)[0]
-    g_adv = torch.autograd.grad(adversarial, layer, retain_graph=True)[0]
+    """The adversarial term's weight so that its gradient with respect to `at` (the rollouts'
+    frames) has `ratio` times the regression's gradient norm there (detached; capped at 1e4
+    for a near-zero adversarial gradient). Taken at the frames rather than at a layer of the
+    DiT, so that it costs the two losses' own backward passes only, not the DiT's."""
+    g_reg = torch.autograd.grad(regression, at, retain_graph=True)[0]
+    g_adv = torch.autograd.grad(adversarial, at, retain_graph=True)[0]
     return (ratio * g_reg.norm() / (g_adv.norm() + 1e-8)).clamp(max=1e4).detach()

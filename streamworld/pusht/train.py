@@ -127,7 +127,7 @@ class TrainConfig:
     # the absolute error for their median, which does not average two places into one.
     unroll_loss: str = "l2"
     # With unroll_share: the adversarial term's weight, as the ratio of its gradient norm to the
-    # unrolled regression's at the DiT's output layer (`adversarial.adaptive_weight`); 0 trains
+    # unrolled regression's on the rollouts' frames (`adversarial.adaptive_weight`); 0 trains
     # no discriminator. The term joins after `adversarial_start` steps of the discriminator alone.
     adversarial_weight: float = 0.0
     adversarial_start: int = 100
@@ -271,8 +271,12 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError(f"--unroll-share (unroll_share) must be in [0, 1], got {cfg.unroll_share}")
     if cfg.unroll_loss not in UNROLL_LOSSES:
         raise ValueError(f"--unroll-loss must be one of {', '.join(UNROLL_LOSSES)}, got {cfg.unroll_loss!r}")
-    if cfg.adversarial_weight < 0 or cfg.adversarial_start < 0:
-        raise ValueError("--adversarial-weight and --adversarial-start must not be negative")
+    if not (0 <= cfg.adversarial_weight < math.inf) or cfg.adversarial_start < 0:
+        raise ValueError(
+            "--adversarial-weight must be finite, and neither it nor --adversarial-start negative"
+        )
+    if not cfg.adversarial_weight and cfg.adversarial_start != TrainConfig.adversarial_start:
+        raise ValueError("--adversarial-start applies to the adversarial term: give --adversarial-weight too")
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
@@ -779,7 +783,7 @@ class Trainer:
         self.disc: ClipDiscriminator | None = None
         if train_config.adversarial_weight:
             with torch.random.fork_rng(devices=[]):  # its initial weights follow the run's seed
-                torch.manual_seed(train_config.seed)
+                torch.default_generator.manual_seed(train_config.seed)  # built on the CPU
                 self.disc = ClipDiscriminator(model_config.height).to(self.device).train()
             self.disc_opt = torch.optim.AdamW(
                 self.disc.parameters(), lr=train_config.lr, betas=(0.5, 0.99), weight_decay=0.0
@@ -827,6 +831,11 @@ class Trainer:
         self.dit.load_state_dict(state["dit"])
         self.ema = state["ema"]
         self.opt.load_state_dict(state["opt"])
+        if (self.disc is not None) != ("disc" in state):  # a checkpoint from before the setting
+            raise ValueError(
+                f"{self.checkpoint_path} was trained {'without' if self.disc else 'with'} a discriminator "
+                "(--adversarial-weight); use another --workdir, with --init set to its exported weights"
+            )
         if self.disc is not None:
             self.disc.load_state_dict(state["disc"])
             self.disc_opt.load_state_dict(state["disc_opt"])
@@ -1042,16 +1051,15 @@ class Trainer:
         self, regression: torch.Tensor, sink: torch.Tensor, pred: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """`regression` plus the discriminator's verdict on the rollouts `pred`, weighted so
-        that its gradient at the DiT's output layer is `adversarial_weight` times the
-        regression's (`adaptive_weight`). The discriminator's own weights get no gradient."""
+        that its gradient with respect to the rollouts' frames is `adversarial_weight` times
+        the regression's (`adaptive_weight`). The discriminator's own weights get no gradient."""
         assert self.disc is not None
         self.disc.requires_grad_(False)
         try:
             adversarial = generator_loss(self.disc(sink, pred, actions))
         finally:
             self.disc.requires_grad_(True)
-        layer = self.dit.transformer.proj_out.weight
-        weight = adaptive_weight(regression, adversarial, layer, self.cfg.adversarial_weight)
+        weight = adaptive_weight(regression, adversarial, pred, self.cfg.adversarial_weight)
         stats = {"loss_adversarial": float(adversarial.detach()), "adversarial_scale": float(weight)}
         return regression + weight * adversarial, stats
 

@@ -780,14 +780,7 @@ class Trainer:
             model_config.text_len, self.dit.transformer.config.text_dim, device=self.device
         )
         # With `adversarial_weight`: the discriminator of the unrolled rollouts and its optimiser.
-        self.disc: ClipDiscriminator | None = None
-        if train_config.adversarial_weight:
-            with torch.random.fork_rng(devices=[]):  # its initial weights follow the run's seed
-                torch.default_generator.manual_seed(train_config.seed)  # built on the CPU
-                self.disc = ClipDiscriminator(model_config.height).to(self.device).train()
-            self.disc_opt = torch.optim.AdamW(
-                self.disc.parameters(), lr=train_config.lr, betas=(0.5, 0.99), weight_decay=0.0
-            )
+        self.disc, self.disc_opt = self._discriminator()
         self.history: list[dict] = []
         # Set (to a reason, e.g. "SIGTERM") to end `run` after the current step, with a
         # checkpoint, as if its time were up (`cli/train.py` sets it on SIGTERM and Ctrl-C).
@@ -815,6 +808,16 @@ class Trainer:
             workers=cfg.rollout_workers,
             max_mismatch=cfg.rollout_max_mismatch,
         )
+
+    def _discriminator(self) -> tuple[ClipDiscriminator | None, torch.optim.Optimizer | None]:
+        """The discriminator (`adversarial_weight`), from the run's seed, and its optimiser."""
+        if not self.cfg.adversarial_weight:
+            return None, None
+        with torch.random.fork_rng(devices=[]):  # its initial weights follow the run's seed
+            torch.default_generator.manual_seed(self.cfg.seed)  # built on the CPU
+            disc = ClipDiscriminator(self.mcfg.height).to(self.device).train()
+        opt = torch.optim.AdamW(disc.parameters(), lr=self.cfg.lr, betas=(0.5, 0.99), weight_decay=0.0)
+        return disc, opt
 
     # --- checkpoints ------------------------------------------------------------------
     @property

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-# World units per pixel of the 64x64 frame (pusht/world.py) are 512 / size.
-WORLD_SIZE = 512.0
+from .world import WORLD_SIZE
 
 
 def action_maps(actions: torch.Tensor, size: int, sigma: float = 1.5) -> torch.Tensor:

@@ -753,17 +753,7 @@ class Trainer:
         self._forward = (
             torch.compile(self.dit.forward_masked) if train_config.compile else self.dit.forward_masked
         )
-        decay, no_decay = [], []
-        for name, p in self.dit.named_parameters():
-            (no_decay if p.ndim < 2 or "norm" in name or "table" in name else decay).append(p)
-        self.opt = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": train_config.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=train_config.lr,
-            betas=(0.9, 0.99),
-        )
+        self.opt = self._optimizer()
         self.step = 0
         self.gen = torch.Generator(device=self.device).manual_seed(train_config.seed)
         self.batcher = ClipBatcher(
@@ -807,6 +797,20 @@ class Trainer:
             targets=cfg.rollout_targets,
             workers=cfg.rollout_workers,
             max_mismatch=cfg.rollout_max_mismatch,
+        )
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the DiT, with no weight decay on vectors, norms and tables."""
+        decay, no_decay = [], []
+        for name, p in self.dit.named_parameters():
+            (no_decay if p.ndim < 2 or "norm" in name or "table" in name else decay).append(p)
+        return torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.cfg.lr,
+            betas=(0.9, 0.99),
         )
 
     def _discriminator(self) -> tuple[ClipDiscriminator | None, torch.optim.Optimizer | None]:

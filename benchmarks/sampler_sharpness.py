@@ -13,6 +13,12 @@ step by step. This benchmark asks whether the blob is the sampler's or the model
   the last step's input held, so no noise is drawn after the first step and the estimate
   is refined rather than replaced. It carries state across steps, which the engine's units
   do not, so it lives here, run through the reference generator.
+- `snap:STEPS`: the served sampler, but each chunk's clean K/V (and the frame a delta
+  model adds its next chunk to) is committed from the chunk's frames redrawn by the
+  environment: the agent and the block's whole pose fitted to each predicted frame
+  (`pose.estimate_scene`, whatever its mismatch) and rendered as a sharp scene. The scored frames are
+  still the model's own. It asks whether a blob hides a pose the model knows: if it did,
+  a sharp context would keep the block a T at the right angle.
 
 For each of `eval`'s episodes (the scripted policy from each seed's start, as `streamworld
 eval` scores them) and each sampler, free-running from the first frame in `--kv-mode`, at
@@ -50,8 +56,11 @@ import torch
 
 from streamworld.engine import ReferenceGenerator
 from streamworld.models import get_preset
+from streamworld.models.pixels import frames_from_uint8, frames_to_latents
+from streamworld.models.vae import to_uint8
 from streamworld.pusht.evaluate import block_angle, parse_seeds, predict_episode, record_eval_episode
-from streamworld.pusht.world import angle_error, locate, palette_weights
+from streamworld.pusht.pose import estimate_scene, place
+from streamworld.pusht.world import PushTWorld, angle_error, locate, palette_weights
 
 HORIZONS = (8, 16, 32)
 DEFAULT_SAMPLERS = (
@@ -88,10 +97,75 @@ class DeterministicSchedule:
         return x
 
 
+class SnappingGenerator(ReferenceGenerator):
+    """The reference generator whose clean commits are the chunk's frames redrawn from the
+    scene fitted to each of them (`snap:`): the agent's position and the block's whole pose
+    (`pose.estimate_scene`, any mismatch), drawn by the environment. Frames where the agent
+    or the block is not found are committed as predicted. Anchored pixel models only (the
+    PushT presets). Each chunk is denoised twice, once to predict it and once more to commit
+    the redrawn frames (the reference loop commits inside its denoising call)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        if not model.config.anchored_pixels:
+            raise ValueError("snap: needs a model in anchored pixels (the PushT presets)")
+        self.world = PushTWorld(model.config.height)
+        self.world.reset(0)
+        self.snapped = self.kept = 0
+        self._anchor: np.ndarray | None = None
+        self._last: torch.Tensor | None = None
+
+    def generate(self, req):
+        self._anchor, self._last = req.image, None
+        return super().generate(req)
+
+    def denoise_chunk(
+        self,
+        seed,
+        chunk,
+        first_frame,
+        text,
+        cache,
+        kv_mode,
+        actions,
+        context=None,
+        last=None,
+        read_later=True,
+    ):
+        if context is not None:
+            raise ValueError("snap: commits redrawn frames, not a given context")
+        last = self._last if self._last is not None else last
+        x0 = super().denoise_chunk(seed, chunk, first_frame, text, cache, kv_mode, actions, None, last, False)
+        anchor = frames_from_uint8(torch.from_numpy(self._anchor)[None, None])
+        frames = to_uint8(x0.cpu()[None] + anchor)[0]
+        redrawn = np.concatenate([self._anchor[None], [self._redraw(f) for f in frames]])
+        latents = frames_to_latents(frames_from_uint8(torch.from_numpy(redrawn)[None]), True)[0, :, 1:]
+        latents = latents.to(x0.device, x0.dtype)
+        if read_later:
+            super().denoise_chunk(
+                seed, chunk, first_frame, text, cache, kv_mode, actions, latents, last, True
+            )
+        self._last = latents[:, -1:]
+        return x0
+
+    def _redraw(self, frame: np.ndarray) -> np.ndarray:
+        scene = estimate_scene(frame, max_mismatch=math.inf)  # any blob is fitted
+        if scene is None:
+            self.kept += 1
+            return frame
+        place(self.world, scene, scene)
+        for shape in self.world.env.space.shapes:  # the drawing reads the shapes' cached places
+            shape.cache_bb()
+        self.snapped += 1
+        return self.world.render()
+
+
 def parse_sampler(text: str) -> tuple[str, tuple[float, ...]]:
     kind, sep, steps = text.partition(":")
-    if kind not in ("renoise", "ddim") or not sep:
-        raise argparse.ArgumentTypeError(f"a sampler is renoise:STEPS or ddim:STEPS, got {text!r}")
+    if kind not in ("renoise", "ddim", "snap") or not sep:
+        raise argparse.ArgumentTypeError(
+            f"a sampler is renoise:STEPS, ddim:STEPS or snap:STEPS, got {text!r}"
+        )
     try:
         values = tuple(float(v) for v in steps.split(","))
     except ValueError:
@@ -196,7 +270,7 @@ def run(args: argparse.Namespace) -> dict:
         model = load(args, steps)
         if kind == "ddim":
             model.schedule = DeterministicSchedule(model.schedule)
-        generator = ReferenceGenerator(model)
+        generator = SnappingGenerator(model) if kind == "snap" else ReferenceGenerator(model)
         num_chunks = math.ceil(max(HORIZONS) / model.config.frames_per_chunk)
         rows, start = [], time.perf_counter()
         for ep in episodes:
@@ -208,6 +282,9 @@ def run(args: argparse.Namespace) -> dict:
             "seconds": round(time.perf_counter() - start, 1),
             "horizons": summarise(rows),
         }
+        if kind == "snap":
+            samplers[name]["frames_redrawn"] = generator.snapped
+            samplers[name]["frames_kept"] = generator.kept
         print(name, json.dumps(samplers[name]["horizons"]), flush=True)
     return {
         "benchmark": "sampler_sharpness",
@@ -272,8 +349,8 @@ def make_parser() -> argparse.ArgumentParser:
         dest="samplers",
         type=parse_sampler,
         action="append",
-        help="renoise:STEPS or ddim:STEPS (timesteps 1000 to 1, decreasing), repeatable; default: "
-        + "; ".join(DEFAULT_SAMPLERS),
+        help="renoise:STEPS, ddim:STEPS or snap:STEPS (timesteps 1000 to 1, decreasing), "
+        "repeatable; default: " + "; ".join(DEFAULT_SAMPLERS),
     )
     parser.add_argument("--noise-seed", type=int, default=0, help="the rollouts' noise seed (default 0)")
     parser.add_argument("--json", type=Path, help="write the report here")

@@ -56,9 +56,15 @@ import torch
 
 from streamworld.engine import ReferenceGenerator
 from streamworld.models import get_preset
-from streamworld.models.pixels import frames_from_uint8, frames_to_latents
+from streamworld.models.pixels import frames_from_uint8
 from streamworld.models.vae import to_uint8
-from streamworld.pusht.evaluate import block_angle, parse_seeds, predict_episode, record_eval_episode
+from streamworld.pusht.evaluate import (
+    block_angle,
+    parse_seeds,
+    predict_episode,
+    record_eval_episode,
+    true_latents,
+)
 from streamworld.pusht.pose import estimate_scene, place
 from streamworld.pusht.world import PushTWorld, angle_error, locate, palette_weights
 
@@ -139,8 +145,7 @@ class SnappingGenerator(ReferenceGenerator):
         anchor = frames_from_uint8(torch.from_numpy(self._anchor)[None, None])
         frames = to_uint8(x0.cpu()[None] + anchor)[0]
         redrawn = np.concatenate([self._anchor[None], [self._redraw(f) for f in frames]])
-        latents = frames_to_latents(frames_from_uint8(torch.from_numpy(redrawn)[None]), True)[0, :, 1:]
-        latents = latents.to(x0.device, x0.dtype)
+        latents = true_latents(self.model, redrawn).to(x0.device, x0.dtype)
         if read_later:
             super().denoise_chunk(
                 seed, chunk, first_frame, text, cache, kv_mode, actions, latents, last, True

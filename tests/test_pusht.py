@@ -254,6 +254,8 @@ def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monke
         ("--rollout-every", "0"),
         ("--rollout-max-mismatch", "-0.1"),
         ("--layers", "0"),
+        ("--warmup-steps", "-1"),
+        ("--log-every", "0"),
     ],
 )
 def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):
@@ -272,6 +274,23 @@ def test_train_cli_passes_compile_to_the_trainer(smoke):
     for flags, compiled in (([], False), (["--compile"], True)):
         args = parser.parse_args(["train", "pusht", *smoke, *flags])
         assert train_cli._configs(args)[2].compile is compiled
+
+
+def test_train_cli_sets_the_warm_up_and_the_logging_interval():
+    import argparse
+
+    from streamworld.cli import train as train_cli
+    from streamworld.pusht.train import _lr_at
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    default = train_cli._configs(parser.parse_args(["train", "pusht"]))[2]
+    assert (default.warmup_steps, default.log_every) == (300, 100)
+    flags = ["train", "pusht", "--warmup-steps", "20", "--log-every", "5", "--total-steps", "100"]
+    config = train_cli._configs(parser.parse_args(flags))[2]
+    assert (config.warmup_steps, config.log_every) == (20, 5)
+    assert _lr_at(19, config) == pytest.approx(config.lr)  # warmed up, then half-way down the decay:
+    assert _lr_at(60, config) == pytest.approx(config.lr * (1 + config.min_lr_ratio) / 2)
 
 
 def test_train_cli_trains_on_its_own_rollouts(tmp_path):

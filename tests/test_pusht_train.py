@@ -752,11 +752,47 @@ def test_the_adaptive_weight_gives_the_adversarial_gradient_its_ratio_at_the_lay
     assert not weight.requires_grad
 
 
+def test_the_discriminator_judges_only_the_patches_where_clip_and_rollout_differ():
+    """Its patch grid is its logits'; a difference in one pixel marks the one patch whose
+    cell holds it; the hinge losses over those patches ignore every other patch's logit."""
+    from streamworld.pusht.adversarial import (
+        DIFFERENCE,
+        ClipDiscriminator,
+        differing_patches,
+        discriminator_loss,
+        generator_loss,
+    )
+
+    disc = ClipDiscriminator(16, width=4)
+    real = torch.rand(2, 3, 5, 16, 16) * 2 - 1
+    grid = disc.grid(5)
+    assert tuple(disc(real[:, :, :1], real, torch.rand(2, 5, 2) * 512).shape) == (2, 1, *grid)
+    fake = real.clone()
+    fake[1, 2, 2, 9, 14] += 3 * DIFFERENCE  # sample 1, frame 2, pixel (9, 14)
+    fake[0, 0, 0, 0, 0] += 0.5 * DIFFERENCE  # under the threshold
+    where = differing_patches(real, fake, grid)
+    assert where.shape == (2, 1, *grid) and float(where.sum()) == 1.0
+    assert float(where[1, 0, 1, 1, 1]) == 1.0  # frame 2 of 5 -> 1 of 3; pixel // 8
+
+    d_real, d_fake = torch.randn(2, 1, *grid), torch.randn(2, 1, *grid)
+    masked = discriminator_loss(d_real, d_fake, where)
+    assert float(masked) == pytest.approx(
+        float(torch.relu(1 - d_real[where > 0]) + torch.relu(1 + d_fake[where > 0]))
+    )
+    elsewhere = where == 0
+    d_real[elsewhere], d_fake[elsewhere] = 5.0, 5.0
+    assert float(discriminator_loss(d_real, d_fake, where)) == pytest.approx(float(masked))
+    assert float(generator_loss(d_fake, where)) == pytest.approx(-float(d_fake[where > 0]))
+    assert float(discriminator_loss(d_real, d_fake)) != pytest.approx(float(masked))
+
+
 def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its_start(data_24, tmp_path):
     """With `adversarial_weight`, every step first trains the discriminator on the true
     clips against the unrolled rollouts, and from `adversarial_start` on the rollouts' loss
     adds its verdict times the adaptive weight; the discriminator's own weights get no
     gradient from that term."""
+    from streamworld.pusht.adversarial import differing_patches, discriminator_loss
+
     trainer = _unroll_trainer(
         data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=2, lr=2e-3, warmup_steps=1
     )
@@ -782,11 +818,34 @@ def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its
     assert all(p.grad is None for p in trainer.disc.parameters())
     assert all(p.requires_grad for p in trainer.disc.parameters())  # for its own next step
 
-    # Its own steps teach it to tell these true clips from these rollouts.
+    # Its own steps teach it to tell these true clips from these rollouts, over the
+    # patches where they differ.
     sink, real, fake = latents[:, :, :1], latents[:, :, 1:], pred.detach()
-    steps = [trainer.discriminator_step(sink, real, fake, batch["actions"]) for _ in range(8)]
+    where = differing_patches(real, fake, trainer.disc.grid(real.shape[2]))
+    with torch.no_grad():
+        before = discriminator_loss(
+            trainer.disc(sink, real, batch["actions"]), trainer.disc(sink, fake, batch["actions"]), where
+        )
+    steps = [trainer.discriminator_step(sink, real, fake, batch["actions"], where) for _ in range(8)]
+    assert steps[0]["loss_disc"] == pytest.approx(float(before), rel=1e-5)
     assert steps[-1]["loss_disc"] < steps[0]["loss_disc"] - 0.1
     assert steps[-1]["disc_real"] > steps[-1]["disc_fake"]
+
+
+def test_where_clip_and_rollout_do_not_differ_the_discriminator_has_nothing_to_learn(
+    data_24, tmp_path, monkeypatch
+):
+    """Training masks both adversarial losses with `differing_patches`: with no patch that
+    differs, the discriminator's loss and its verdict are zero and its weights stay put."""
+    import streamworld.pusht.train as train
+
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=0)
+    monkeypatch.setattr(train, "differing_patches", lambda real, fake, grid: torch.zeros(len(real), 1, *grid))
+    first = {k: v.clone() for k, v in trainer.disc.named_parameters()}
+    row = trainer.train_step()
+    assert row["loss_disc"] == 0 and row["loss_adversarial"] == 0 and row["disc_patches"] == 0
+    assert row["loss"] == pytest.approx(row["loss_unrolled"], rel=1e-6)
+    assert all(torch.equal(first[k], v) for k, v in trainer.disc.named_parameters())
 
 
 def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):

@@ -116,6 +116,19 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-size", type=int, default=64, help="clips per step (default 64)")
     group.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
     group.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=300,
+        help="steps of linear warm-up to --lr, before the cosine decay over the rest of "
+        "--total-steps (default 300; a short fine-tuning run wants fewer)",
+    )
+    group.add_argument(
+        "--log-every",
+        type=int,
+        default=100,
+        help="steps averaged into each row of the logged history (default 100; a resume may change it)",
+    )
+    group.add_argument(
         "--change-weight",
         type=float,
         default=0.0,
@@ -259,6 +272,8 @@ def _configs(args: argparse.Namespace):
     train_config = TrainConfig(
         batch_size=args.batch_size,
         total_steps=args.total_steps,
+        warmup_steps=args.warmup_steps,
+        log_every=args.log_every,
         lr=args.lr,
         seed=args.seed,
         change_weight=args.change_weight,
@@ -309,6 +324,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
         "rollout_max_mismatch",
         "adversarial_weight",
         "adversarial_start",
+        "warmup_steps",
     ):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
@@ -320,6 +336,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
         "steps_per_episode",
         "total_steps",
         "batch_size",
+        "log_every",
         "rollout_every",
         "rollout_episodes",
         "rollout_frames",

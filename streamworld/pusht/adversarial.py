@@ -21,10 +21,15 @@ anchored latents themselves), so it judges motion, not only the look of one fram
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
 from .world import WORLD_SIZE
+
+# A latent pixel whose true and rolled-out values differ by more than this (latents span
+# [-1, 1], or [-2, 2] as a change) makes its discriminator patch count in the losses.
+DIFFERENCE = 0.05
 
 
 def action_maps(actions: torch.Tensor, size: int, sigma: float = 1.5) -> torch.Tensor:
@@ -63,6 +68,10 @@ class ClipDiscriminator(nn.Module):
             spectral_norm(nn.Conv3d(4 * width, 1, 3, 1, 1)),
         )
 
+    def grid(self, length: int) -> tuple[int, int, int]:
+        """The patch logits' grid (L', h', w') for clips of `length` frames."""
+        return ((length - 1) // 2 + 1, self.size // 8, self.size // 8)
+
     def forward(self, sink: torch.Tensor, latents: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         length, s = latents.shape[2], latents.shape[-1]
         if s != self.size:
@@ -71,14 +80,33 @@ class ClipDiscriminator(nn.Module):
         return self.net(x)
 
 
-def discriminator_loss(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    """Hinge loss: true clips' logits above 1, rollouts' below -1."""
-    return torch.relu(1 - real).mean() + torch.relu(1 + fake).mean()
+def differing_patches(real: torch.Tensor, fake: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+    """Which of the discriminator's patches (its logits' grid [L', h', w']) see a difference
+    between a true clip's latents and the rollout's [B, C, L, S, S]: those whose cell of
+    frames holds a pixel that differs by more than `DIFFERENCE` in some channel. A float
+    mask [B, 1, L', h', w'] of ones and zeros."""
+    diff = (real.detach().float() - fake.detach().float()).abs().amax(1, keepdim=True)
+    return (F.adaptive_max_pool3d(diff, tuple(grid)) > DIFFERENCE).float()
 
 
-def generator_loss(fake: torch.Tensor) -> torch.Tensor:
-    """The rollouts' side of the hinge: raise the discriminator's logits on them."""
-    return -fake.mean()
+def _masked_mean(x: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
+    if where is None:
+        return x.mean()
+    return (x * where).sum() / where.sum().clamp_min(1.0)
+
+
+def discriminator_loss(
+    real: torch.Tensor, fake: torch.Tensor, where: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Hinge loss: true clips' logits above 1, rollouts' below -1; with `where`
+    (`differing_patches`), over those patches alone."""
+    return _masked_mean(torch.relu(1 - real), where) + _masked_mean(torch.relu(1 + fake), where)
+
+
+def generator_loss(fake: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """The rollouts' side of the hinge: raise the discriminator's logits on them (with
+    `where`, on those patches alone)."""
+    return -_masked_mean(fake, where)
 
 
 def adaptive_weight(

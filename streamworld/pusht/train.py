@@ -72,7 +72,13 @@ from ..models.config import ModelConfig
 from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.schedule import NUM_TRAIN_TIMESTEPS, FlowSchedule
 from ..models.world_model import WorldModel, image_as_last_frame, resolve_device
-from .adversarial import ClipDiscriminator, adaptive_weight, discriminator_loss, generator_loss
+from .adversarial import (
+    ClipDiscriminator,
+    adaptive_weight,
+    differing_patches,
+    discriminator_loss,
+    generator_loss,
+)
 from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
 from .world import block_mask
@@ -1029,41 +1035,57 @@ class Trainer:
         loss = err.mean()
         if self.disc is None:
             return loss, stats
-        stats |= self.discriminator_step(sink, x0, pred.detach(), batch["actions"])
+        where = differing_patches(x0, pred, self.disc.grid(x0.shape[2]))
+        stats |= self.discriminator_step(sink, x0, pred.detach(), batch["actions"], where)
         if self.step >= self.cfg.adversarial_start:
-            loss, more = self.adversarial_term(loss, sink, pred, batch["actions"])
+            loss, more = self.adversarial_term(loss, sink, pred, batch["actions"], where)
             stats |= more
         return loss, stats
 
     def discriminator_step(
-        self, sink: torch.Tensor, real: torch.Tensor, fake: torch.Tensor, actions: torch.Tensor
+        self,
+        sink: torch.Tensor,
+        real: torch.Tensor,
+        fake: torch.Tensor,
+        actions: torch.Tensor,
+        where: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimiser step of the discriminator: true clips against (detached) rollouts of
         the same sinks and actions, at the peak learning rate throughout (no warm-up or
-        decay: it starts from scratch, and must keep up with the sampler it judges)."""
+        decay: it starts from scratch, and must keep up with the sampler it judges). With
+        `where` (`differing_patches`), the loss and the logged scores are over the patches
+        where clip and rollout differ: elsewhere there is nothing to tell apart."""
         assert self.disc is not None
         d_real = self.disc(sink, real, actions)
         d_fake = self.disc(sink, fake, actions)
-        loss = discriminator_loss(d_real, d_fake)
+        loss = discriminator_loss(d_real, d_fake, where)
         self.disc_opt.zero_grad(set_to_none=True)
         loss.backward()
         self.disc_opt.step()
-        return {
-            "loss_disc": float(loss.detach()),
-            "disc_real": float(d_real.detach().mean()),
-            "disc_fake": float(d_fake.detach().mean()),
-        }
+        with torch.no_grad():
+            return {
+                "loss_disc": float(loss),
+                "disc_real": float(-generator_loss(d_real, where)),
+                "disc_fake": float(-generator_loss(d_fake, where)),
+                "disc_patches": float(where.mean()) if where is not None else 1.0,
+            }
 
     def adversarial_term(
-        self, regression: torch.Tensor, sink: torch.Tensor, pred: torch.Tensor, actions: torch.Tensor
+        self,
+        regression: torch.Tensor,
+        sink: torch.Tensor,
+        pred: torch.Tensor,
+        actions: torch.Tensor,
+        where: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """`regression` plus the discriminator's verdict on the rollouts `pred`, weighted so
-        that its gradient with respect to the rollouts' frames is `adversarial_weight` times
-        the regression's (`adaptive_weight`). The discriminator's own weights get no gradient."""
+        """`regression` plus the discriminator's verdict on the rollouts `pred` (over the
+        patches `where`, if given), weighted so that its gradient with respect to the
+        rollouts' frames is `adversarial_weight` times the regression's (`adaptive_weight`).
+        The discriminator's own weights get no gradient."""
         assert self.disc is not None
         self.disc.requires_grad_(False)
         try:
-            adversarial = generator_loss(self.disc(sink, pred, actions))
+            adversarial = generator_loss(self.disc(sink, pred, actions), where)
         finally:
             self.disc.requires_grad_(True)
         weight = adaptive_weight(regression, adversarial, pred, self.cfg.adversarial_weight)

@@ -694,6 +694,8 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
         ("--unroll-loss", "l1"): "give --unroll-share too",
         ("--adversarial-weight", "0.5"): "give --unroll-share too",
         ("--adversarial-weight", "-1", "--clip-chunks", "2", "--unroll-share", "0.5"): "at least 0",
+        ("--adversarial-background", "0.5"): "give --adversarial-weight too",
+        ("--adversarial-background", "1.5"): "in [0, 1]",
     }
     for extra, reason in refused.items():
         other = tmp_path / "refused"
@@ -761,6 +763,7 @@ def test_the_discriminator_judges_only_the_patches_where_clip_and_rollout_differ
         differing_patches,
         discriminator_loss,
         generator_loss,
+        patch_weights,
     )
 
     disc = ClipDiscriminator(16, width=4)
@@ -784,6 +787,13 @@ def test_the_discriminator_judges_only_the_patches_where_clip_and_rollout_differ
     assert float(discriminator_loss(d_real, d_fake, where)) == pytest.approx(float(masked))
     assert float(generator_loss(d_fake, where)) == pytest.approx(-float(d_fake[where > 0]))
     assert float(discriminator_loss(d_real, d_fake)) != pytest.approx(float(masked))
+
+    # With the background weighed in: 1 is the mean over every patch, 0 the mask alone.
+    assert patch_weights(where, 0.0) is where
+    weights = patch_weights(where, 0.25)
+    assert set(weights.unique().tolist()) == {0.25, 1.0} and float(weights[1, 0, 1, 1, 1]) == 1.0
+    every = discriminator_loss(d_real, d_fake, patch_weights(where, 1.0))
+    assert float(every) == pytest.approx(float(discriminator_loss(d_real, d_fake)))
 
 
 def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its_start(data_24, tmp_path):
@@ -836,16 +846,29 @@ def test_where_clip_and_rollout_do_not_differ_the_discriminator_has_nothing_to_l
     data_24, tmp_path, monkeypatch
 ):
     """Training masks both adversarial losses with `differing_patches`: with no patch that
-    differs, the discriminator's loss and its verdict are zero and its weights stay put."""
+    differs, the discriminator's loss and its verdict are zero and its weights stay put;
+    with `adversarial_background` 1 it learns every patch alike."""
     import streamworld.pusht.train as train
 
-    trainer = _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=0)
     monkeypatch.setattr(train, "differing_patches", lambda real, fake, grid: torch.zeros(len(real), 1, *grid))
+    trainer = _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=0)
     first = {k: v.clone() for k, v in trainer.disc.named_parameters()}
     row = trainer.train_step()
     assert row["loss_disc"] == 0 and row["loss_adversarial"] == 0 and row["disc_patches"] == 0
     assert row["loss"] == pytest.approx(row["loss_unrolled"], rel=1e-6)
     assert all(torch.equal(first[k], v) for k, v in trainer.disc.named_parameters())
+
+    everywhere = _unroll_trainer(
+        data_24,
+        tmp_path / "bg",
+        "delta",
+        adversarial_weight=0.5,
+        adversarial_start=0,
+        adversarial_background=1.0,
+    )
+    row = everywhere.train_step()
+    assert row["disc_patches"] == 0 and row["loss_disc"] > 1 and row["loss_adversarial"] != 0
+    assert any(not torch.equal(first[k], v) for k, v in everywhere.disc.named_parameters())
 
 
 def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):

@@ -89,10 +89,19 @@ def differing_patches(real: torch.Tensor, fake: torch.Tensor, grid: tuple[int, .
     return (F.adaptive_max_pool3d(diff, tuple(grid)) > DIFFERENCE).float()
 
 
+def patch_weights(differing: torch.Tensor, background: float) -> torch.Tensor:
+    """The patches' weights in the hinge losses: 1 where clip and rollout differ
+    (`differing_patches`), `background` elsewhere. With 0 the discriminator never learns
+    the still background, and a strong pull on the rollouts can change the background to
+    raise its untrained verdict there (round 20, docs/pusht.md)."""
+    return differing + background * (1 - differing) if background else differing
+
+
 def _masked_mean(x: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
+    """The mean of `x`, weighed by `where` if given (a mask, or `patch_weights`)."""
     if where is None:
         return x.mean()
-    return (x * where).sum() / where.sum().clamp_min(1.0)
+    return (x * where).sum() / where.sum().clamp_min(1e-6)
 
 
 def discriminator_loss(

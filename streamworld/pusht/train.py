@@ -78,6 +78,7 @@ from .adversarial import (
     differing_patches,
     discriminator_loss,
     generator_loss,
+    patch_weights,
 )
 from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
@@ -137,6 +138,10 @@ class TrainConfig:
     # no discriminator. The term joins after `adversarial_start` steps of the discriminator alone.
     adversarial_weight: float = 0.0
     adversarial_start: int = 100
+    # The weight of the patches where true clip and rollout do not differ in both hinge
+    # losses, against 1 for those that do (`adversarial.patch_weights`): 0 judges the
+    # differing patches alone; above 0 the discriminator also learns the still background.
+    adversarial_background: float = 0.0
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -283,6 +288,12 @@ def check_unroll(cfg: TrainConfig) -> None:
         )
     if not cfg.adversarial_weight and cfg.adversarial_start != TrainConfig.adversarial_start:
         raise ValueError("--adversarial-start applies to the adversarial term: give --adversarial-weight too")
+    if not 0 <= cfg.adversarial_background <= 1:
+        raise ValueError(f"--adversarial-background must be in [0, 1], got {cfg.adversarial_background}")
+    if not cfg.adversarial_weight and cfg.adversarial_background:
+        raise ValueError(
+            "--adversarial-background applies to the adversarial term: give --adversarial-weight too"
+        )
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
@@ -1035,7 +1046,9 @@ class Trainer:
         loss = err.mean()
         if self.disc is None:
             return loss, stats
-        where = differing_patches(x0, pred, self.disc.grid(x0.shape[2]))
+        differing = differing_patches(x0, pred, self.disc.grid(x0.shape[2]))
+        where = patch_weights(differing, self.cfg.adversarial_background)
+        stats["disc_patches"] = float(differing.mean())
         stats |= self.discriminator_step(sink, x0, pred.detach(), batch["actions"], where)
         if self.step >= self.cfg.adversarial_start:
             loss, more = self.adversarial_term(loss, sink, pred, batch["actions"], where)
@@ -1053,8 +1066,9 @@ class Trainer:
         """One optimiser step of the discriminator: true clips against (detached) rollouts of
         the same sinks and actions, at the peak learning rate throughout (no warm-up or
         decay: it starts from scratch, and must keep up with the sampler it judges). With
-        `where` (`differing_patches`), the loss and the logged scores are over the patches
-        where clip and rollout differ: elsewhere there is nothing to tell apart."""
+        `where` (`differing_patches`, or `patch_weights`), the loss and the logged scores are
+        over the patches where clip and rollout differ (weighed): elsewhere there is nothing
+        to tell apart."""
         assert self.disc is not None
         d_real = self.disc(sink, real, actions)
         d_fake = self.disc(sink, fake, actions)
@@ -1067,7 +1081,6 @@ class Trainer:
                 "loss_disc": float(loss),
                 "disc_real": float(-generator_loss(d_real, where)),
                 "disc_fake": float(-generator_loss(d_fake, where)),
-                "disc_patches": float(where.mean()) if where is not None else 1.0,
             }
 
     def adversarial_term(

@@ -108,13 +108,13 @@ def discriminator_loss(
     real: torch.Tensor, fake: torch.Tensor, where: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Hinge loss: true clips' logits above 1, rollouts' below -1; with `where`
-    (`differing_patches`), over those patches alone."""
+    (`differing_patches`, or `patch_weights`), over those patches (weighed)."""
     return _masked_mean(torch.relu(1 - real), where) + _masked_mean(torch.relu(1 + fake), where)
 
 
 def generator_loss(fake: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
     """The rollouts' side of the hinge: raise the discriminator's logits on them (with
-    `where`, on those patches alone)."""
+    `where`, on those patches, weighed)."""
     return -_masked_mean(fake, where)
 
 

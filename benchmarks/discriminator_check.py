@@ -7,9 +7,11 @@ adversarial term on the rollouts"). In round 18 its loss stayed at chance. This 
 trains the discriminator alone, with the model fixed: it records a few episodes, unrolls
 the model over `--batches` batches of stream clips once, trains one discriminator per
 variant on all but the last batch in turn, and scores each on the last, held-out batch
-every `--every` steps. The variants are the hinge losses' mean over all patches ("mean")
-and over the patches where clip and rollout differ ("masked", what training uses), at each
-`--lr`. All start from the same weights.
+every `--every` steps. The variants are, at each `--lr`, each `--background` B: the
+hinge losses weigh the patches where clip and rollout differ at 1 and the others at B
+(`train pusht --adversarial-background`). B = 1 is the mean over all patches ("mean"),
+B = 0 the differing patches alone ("masked", training's default). All start from the
+same weights.
 
 Reported per variant and scoring step, on the held-out batch: the mean loss over all
 patches, and over the patches that differ (their share is `patches`) the mean true and
@@ -37,7 +39,12 @@ import torch
 
 from streamworld.models import get_preset
 from streamworld.models.pixels import frames_to_latents
-from streamworld.pusht.adversarial import ClipDiscriminator, differing_patches, discriminator_loss
+from streamworld.pusht.adversarial import (
+    ClipDiscriminator,
+    differing_patches,
+    discriminator_loss,
+    patch_weights,
+)
 from streamworld.pusht.data import DatasetSpec
 from streamworld.pusht.train import TrainConfig, Trainer, prepare_data, smoke_config
 
@@ -92,19 +99,20 @@ def train_variants(
     size = batches[0][1].shape[-1]
     variants = {}
     for lr in args.lr:
-        for masked in (False, True):
+        for background in args.background:
             torch.manual_seed(args.seed)
             disc = ClipDiscriminator(size)
             opt = torch.optim.AdamW(disc.parameters(), lr=lr, betas=(0.5, 0.99), weight_decay=0.0)
-            variants[f"{'masked' if masked else 'mean'} lr {lr:g}"] = (disc, opt, masked)
+            kind = {1.0: "mean", 0.0: "masked"}.get(background, f"background {background:g}")
+            variants[f"{kind} lr {lr:g}"] = (disc, opt, background)
     history: dict[str, list[dict]] = {name: [] for name in variants}
     for name, (disc, _, _) in variants.items():
         history[name].append({"step": 0, **score(disc, batches[-1])})
     for step in range(1, args.steps + 1):
         sink, real, fake, actions = batches[(step - 1) % (len(batches) - 1)]
-        for name, (disc, opt, masked) in variants.items():
+        for name, (disc, opt, background) in variants.items():
             d_real, d_fake = disc(sink, real, actions), disc(sink, fake, actions)
-            where = differing_patches(real, fake, d_real.shape[2:]) if masked else None
+            where = patch_weights(differing_patches(real, fake, d_real.shape[2:]), background)
             loss = discriminator_loss(d_real, d_fake, where)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -137,6 +145,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="discriminator steps (default 60)")
     p.add_argument("--every", type=int, default=20, help="score every this many steps (default 20)")
     p.add_argument("--lr", type=float, nargs="+", default=[1.9e-4], help="learning rates (default 1.9e-4)")
+    p.add_argument(
+        "--background",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.0],
+        help="weights of the patches that do not differ, in [0, 1] (default 1 0: mean and masked)",
+    )
     p.add_argument("--seed", type=int, default=18, help="(default 18)")
     p.add_argument("--workers", type=int, default=2, help="processes recording episodes (default 2)")
     p.add_argument("--smoke", action="store_true", help="the tiny smoke model, random weights (tests)")
@@ -147,6 +162,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.batches < 2:
         p.error("--batches must be at least 2: one to train on and one held out")
+    if not all(0 <= b <= 1 for b in args.background):
+        p.error("--background must be in [0, 1]")
     if not all(lr > 0 for lr in args.lr):
         p.error("--lr must be positive")
     if not args.smoke and not args.dit.is_file():

@@ -24,9 +24,11 @@ def test_the_check_trains_every_variant_from_one_start_and_scores_it_on_the_held
     out = tmp_path / "check.json"
     argv = ["--smoke", "--episodes", "2", "--steps-per-episode", "40", "--batch-size", "2", "--batches", "3"]
     argv += ["--steps", "3", "--every", "2", "--workers", "1", "--lr", "1e-3", "2e-3", "--json", str(out)]
-    assert bench.main(argv) == 0
+    assert bench.main([*argv, "--background", "1", "0", "0.25"]) == 0
     variants = json.loads(out.read_text())["variants"]
-    assert set(variants) == {"mean lr 0.001", "masked lr 0.001", "mean lr 0.002", "masked lr 0.002"}
+    assert set(variants) == {
+        f"{kind} lr {lr}" for kind in ("mean", "masked", "background 0.25") for lr in ("0.001", "0.002")
+    }
     for rows in variants.values():
         assert [row["step"] for row in rows] == [0, 2, 3]
         assert rows[0] == next(iter(variants.values()))[0]  # one start for all
@@ -36,7 +38,12 @@ def test_the_check_trains_every_variant_from_one_start_and_scores_it_on_the_held
 
 @pytest.mark.parametrize(
     "argv, message",
-    [(["--batches", "1"], "one held out"), (["--lr", "0"], "positive"), (["--steps", "0"], "at least 1")],
+    [
+        (["--batches", "1"], "one held out"),
+        (["--lr", "0"], "positive"),
+        (["--steps", "0"], "at least 1"),
+        (["--background", "1.5"], "in [0, 1]"),
+    ],
 )
 def test_the_check_refuses_settings_it_cannot_run(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -258,7 +258,8 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         "the rollout do not differ, against 1 for those that do. 0 judges the differing patches "
         "alone; above 0 the discriminator also learns the still background, which a strong "
         "--adversarial-weight can otherwise change unchecked; with --adversarial-weight only "
-        "(default 0; not yet trained with, docs/pusht.md)",
+        "(default 0; not yet trained with; 0.1 still lets the discriminator learn the differing "
+        "patches nearly as fast, docs/pusht.md)",
     )
 
 

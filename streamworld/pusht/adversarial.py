@@ -97,7 +97,7 @@ def patch_weights(differing: torch.Tensor, background: float) -> torch.Tensor:
     return differing + background * (1 - differing) if background else differing
 
 
-def _masked_mean(x: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
+def patch_mean(x: torch.Tensor, where: torch.Tensor | None) -> torch.Tensor:
     """The mean of `x`, weighed by `where` if given (a mask, or `patch_weights`)."""
     if where is None:
         return x.mean()
@@ -109,13 +109,13 @@ def discriminator_loss(
 ) -> torch.Tensor:
     """Hinge loss: true clips' logits above 1, rollouts' below -1; with `where`
     (`differing_patches`, or `patch_weights`), over those patches (weighed)."""
-    return _masked_mean(torch.relu(1 - real), where) + _masked_mean(torch.relu(1 + fake), where)
+    return patch_mean(torch.relu(1 - real), where) + patch_mean(torch.relu(1 + fake), where)
 
 
 def generator_loss(fake: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
     """The rollouts' side of the hinge: raise the discriminator's logits on them (with
     `where`, on those patches, weighed)."""
-    return -_masked_mean(fake, where)
+    return -patch_mean(fake, where)
 
 
 def adaptive_weight(

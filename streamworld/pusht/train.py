@@ -78,6 +78,7 @@ from .adversarial import (
     differing_patches,
     discriminator_loss,
     generator_loss,
+    patch_mean,
     patch_weights,
 )
 from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
@@ -1079,8 +1080,8 @@ class Trainer:
         with torch.no_grad():
             return {
                 "loss_disc": float(loss),
-                "disc_real": float(-generator_loss(d_real, where)),
-                "disc_fake": float(-generator_loss(d_fake, where)),
+                "disc_real": float(patch_mean(d_real, where)),
+                "disc_fake": float(patch_mean(d_fake, where)),
             }
 
     def adversarial_term(

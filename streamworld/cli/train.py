@@ -237,8 +237,9 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         "unrolled rollouts of the same first frame and actions, and add its verdict on the "
         "rollouts to their loss, weighted so that its gradient on the rollouts' frames is this "
         "many times the regression's (the logged loss then includes the term, loss_unrolled is "
-        "the regression alone; on pusht-delta 0.5 changed nothing measurable and 2 broke the "
-        "rollouts). A squared error rewards a blur where the future is uncertain; the "
+        "the regression alone; on pusht-delta 0.5 changed nothing measurable, 1 and 2 lost the "
+        "discriminator and 2 broke the rollouts). A squared error rewards a blur where the "
+        "future is uncertain; the "
         "discriminator rewards one sharp future. Its hinge losses count the patches where "
         "the true clip and the rollout differ. The discriminator is "
         "kept in the checkpoint, not in the exported weights (default 0: none; docs/pusht.md)",
@@ -258,8 +259,9 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         "the rollout do not differ, against 1 for those that do. 0 judges the differing patches "
         "alone; above 0 the discriminator also learns the still background, which a strong "
         "--adversarial-weight can otherwise change unchecked; with --adversarial-weight only "
-        "(default 0; not yet trained with; 0.1 still lets the discriminator learn the differing "
-        "patches nearly as fast, docs/pusht.md)",
+        "(default 0; 0.1 still lets the discriminator learn the differing patches nearly as fast, "
+        "but with --adversarial-weight 1 it did not keep the discriminator from falling to "
+        "chance; docs/pusht.md)",
     )
 
 

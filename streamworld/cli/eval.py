@@ -101,9 +101,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "together where they attend to as many cached frames, more branches per DiT call (at "
         "most 64, and 272 planning streams: N x (samples + 1)). "
         "Batched frames may differ from one-at-a-time ones by float rounding, so an episode's "
-        "outcome can differ. On an H200 it was slower than one episode at a time before a "
-        "scheduler fix that is not yet measured there (docs/planning.md): processes side by "
-        "side are the measured way to fill a GPU",
+        "outcome can differ. On an H100 it planned at about the rate of one episode at a time, "
+        "since the episodes' host work shares one thread; eight processes side by side planned "
+        "2.3 times as many branches per second: they are the way to fill a GPU (docs/planning.md)",
     )
     arguments.add_search_arguments(plan)
     plan.add_argument(

@@ -20,6 +20,8 @@ from .errors import UsageError
 # up to 29 MiB a stream, float32), so 272 streams stay under 8 GiB.
 MAX_CONCURRENT = 64
 MAX_CONCURRENT_STREAMS = 272
+# Planning processes side by side (`--plan --processes`): each loads the model and its engine.
+MAX_PROCESSES = 64
 PUSHT_MODELS = tuple(c.id for c in PRESETS.values() if c.environment == "pusht")
 
 
@@ -103,7 +105,21 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "Batched frames may differ from one-at-a-time ones by float rounding, so an episode's "
         "outcome can differ. On an H100 it planned at about the rate of one episode at a time, "
         "since the episodes' host work shares one thread; eight processes side by side planned "
-        "2.3 times as many branches per second: they are the way to fill a GPU (docs/planning.md)",
+        "2.3 times as many branches per second: they are the way to fill a GPU (--processes; "
+        "docs/planning.md)",
+    )
+    plan.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="planning processes side by side (default 1; at most 64, and at most one per seed): "
+        "the seeds are dealt out in turn, each process loads the model and runs its own engine on "
+        "--device (each with --concurrent episodes at once), and this process writes one report "
+        "of all of them. Each process also has its own host thread for the episodes' host work "
+        "(the environment, scene fits, costs), which bounds one process's planning on a GPU: "
+        "there 8 processes planned 2.3 times the branches per second of one (docs/planning.md). "
+        "On a CPU the processes share its cores",
     )
     arguments.add_search_arguments(plan)
     plan.add_argument(
@@ -234,8 +250,25 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
     )
     _check_plan_arguments(args, config)
     arguments.check_output_folder("--json", args.json)
-    report = asyncio.run(_plan_episodes(seeds, config, args))
+    processes = min(args.processes, len(seeds))
+    progress = _PlanProgress(args, config, seeds)
+    try:
+        if processes > 1:
+            from .plan_processes import plan_in_processes
+
+            plan_in_processes(seeds, config, args, progress.add, processes)
+        else:
+            planned = asyncio.run(_plan_episodes(seeds, config, args, progress.add))
+            progress.planner, progress.counters[0] = planned
+    finally:
+        progress.close()
+    report = progress.report(True)
     _print_plan_summary(report["summary"])
+    if processes > 1:
+        print(
+            f"{processes} planning processes: "
+            f"{report['summary']['branches_per_wall_second']:.1f} branches per wall second"
+        )
     if args.concurrent > 1:
         print(
             f"{args.concurrent} episodes at once: "
@@ -255,6 +288,8 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
         raise UsageError("--goal-steps, --budget and --execute must be at least 1")
     if not 1 <= args.concurrent <= MAX_CONCURRENT:
         raise UsageError(f"--concurrent must be 1 to {MAX_CONCURRENT}, got {args.concurrent}")
+    if not 1 <= args.processes <= MAX_PROCESSES:
+        raise UsageError(f"--processes must be 1 to {MAX_PROCESSES}, got {args.processes}")
     streams = args.concurrent * (args.samples + 1)
     if args.concurrent > 1 and streams > MAX_CONCURRENT_STREAMS:
         raise UsageError(
@@ -370,39 +405,73 @@ def _engine_counters(engines: list) -> dict:
     return out
 
 
-async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace) -> dict:
-    """Every seed's episode, `--concurrent` of them at a time, and the report (rewritten to
-    --json as each episode ends, so the episodes so far survive an interrupted run)."""
-    from tqdm import tqdm
-
-    results = []
-    started = time.perf_counter()
+async def _plan_episodes(
+    seeds: list[int], config, args: argparse.Namespace, on_episode
+) -> tuple[dict, dict | None]:
+    """Plans every seed's episode, `--concurrent` of them at a time, in this process, and
+    calls on_episode(result, planner, counters) as each ends (planner: what plans;
+    counters: the engines' counters so far, None in the true environment). Returns the
+    planner and the final counters."""
     async with _rollouts(args, config) as (planner, size, rollouts_for, counters):
         # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
         # them one by one, which is faster there (pusht/batch_locate.py).
         cost_device = planner["device"] if planner["device"].startswith("cuda") else None
         planned = {**planner, "cost_device": cost_device or "host"}
-
-        def report(complete: bool) -> dict:
-            return _plan_report(args, config, seeds, planned, results, started, complete, counters())
-
-        bar = tqdm(total=len(seeds), desc=f"planning {args.model}", unit="episode")
         slots = asyncio.Semaphore(args.concurrent)
 
         async def episode(seed: int) -> None:
             async with slots:
                 result = await _run_episode(args, config, seed, size, rollouts_for, cost_device)
-            results.append(result)
-            bar.update()
-            bar.set_postfix(success=f"{sum(r.success for r in results)}/{len(results)}")
-            if args.json:
-                Path(args.json).write_text(json.dumps(report(False), indent=2) + "\n")
+            on_episode(result, planned, counters())
 
-        try:
-            await _all_or_none([episode(seed) for seed in seeds])
-        finally:
-            bar.close()
-    return report(True)
+        await _all_or_none([episode(seed) for seed in seeds])
+        return planned, counters()
+
+
+class _PlanProgress:
+    """The episodes of a --plan run as they end, from this process or its planning
+    processes: the progress bar, and the report, rewritten to --json after each episode so
+    that the episodes so far survive an interrupted run."""
+
+    def __init__(self, args: argparse.Namespace, config, seeds: list[int]):
+        from tqdm import tqdm
+
+        self.args, self.config, self.seeds = args, config, seeds
+        self.results: list = []
+        self.planner: dict | None = None
+        self.counters: dict[int, dict | None] = {}  # the latest counters of each process
+        self.started = time.perf_counter()
+        self.bar = tqdm(total=len(seeds), desc=f"planning {args.model}", unit="episode")
+
+    def add(self, result, planner: dict, counters: dict | None, process: int = 0) -> None:
+        self.results.append(result)
+        self.planner, self.counters[process] = planner, counters
+        self.bar.update()
+        self.bar.set_postfix(success=f"{sum(r.success for r in self.results)}/{len(self.results)}")
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps(self.report(False), indent=2) + "\n")
+
+    def report(self, complete: bool) -> dict:
+        counters = [c for c in self.counters.values() if c is not None]
+        engine = merged_counters(counters) if counters else None
+        planner = self.planner or {}
+        args, config, seeds = self.args, self.config, self.seeds
+        return _plan_report(args, config, seeds, planner, self.results, self.started, complete, engine)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def merged_counters(counters: list[dict]) -> dict:
+    """The engine counters (`_engine_counters`) of several planning processes as one: batches
+    and graph counters summed, the mean batch weighted by each process's batches."""
+    batches = sum(c["dit_batches"] for c in counters)
+    units = sum(c["dit_batches"] * c["mean_batch_units"] for c in counters)
+    out = {"dit_batches": batches, "mean_batch_units": round(units / batches, 2) if batches else 0.0}
+    graphs = [c["cuda_graphs"] for c in counters if "cuda_graphs" in c]
+    if graphs:
+        out["cuda_graphs"] = {key: sum(g[key] for g in graphs) for key in graphs[0]}
+    return out
 
 
 async def _run_episode(args: argparse.Namespace, config, seed: int, size: int, rollouts_for, cost_device):
@@ -465,6 +534,7 @@ def _plan_report(
         "replan_error": args.replan_error,
         "shape_weight": args.shape_weight,
         "concurrent": args.concurrent,
+        "processes": min(args.processes, len(seeds)),
         "cem": vars(config),
         "summary": summary(results, time.perf_counter() - started),
         **({} if engine is None else {"engine": engine}),

@@ -66,6 +66,15 @@ def test_a_failing_process_stops_the_run_with_its_traceback():
         plan_in_processes([0, 1], None, args, lambda *a, **k: None, 2)
 
 
+def test_a_usage_error_in_a_process_is_one_line_and_exit_code_2(tmp_path, capsys):
+    """Weights that do not exist are found where the model loads, in the processes: the
+    user sees the same one-line error and exit code as from one process."""
+    missing = tmp_path / "missing.safetensors"
+    assert main(["eval", "pusht", "--plan", "--dit", str(missing), "--processes", "2", "--seeds", "0-1"]) == 2
+    err = capsys.readouterr().err
+    assert f"streamworld eval: error: --dit: {missing} does not exist" in err
+
+
 def test_a_process_that_dies_without_a_word_stops_the_run():
     with pytest.raises(PlanningProcessError, match="planning process 0 exited with code 3"):
         plan_in_processes([0, 1], None, None, lambda *a, **k: None, 1, target=_dies)

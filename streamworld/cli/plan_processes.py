@@ -18,6 +18,8 @@ import queue
 import traceback
 from collections.abc import Callable
 
+from .errors import UsageError
+
 # How long the parent waits on the queue before it checks for processes that died without
 # a word (killed by the OS, for example).
 _POLL_SECONDS = 1.0
@@ -37,9 +39,10 @@ def plan_in_processes(
     target: Callable | None = None,
 ) -> None:
     """Plans `seeds` in `processes` spawned processes and calls on_episode(result, planner,
-    counters, process) here as each episode ends. Returns when every process is done; raises
-    PlanningProcessError (after stopping the rest) when one fails. `target` replaces the
-    process's work (tests)."""
+    counters, process) here as each episode ends. Returns when every process is done. When
+    one fails, stops the rest and raises: UsageError for the user's own mistake (as one
+    process would), else PlanningProcessError with the process's traceback. `target`
+    replaces the process's work (tests)."""
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
     threads = max(1, (os.cpu_count() or 1) // processes)
@@ -81,6 +84,8 @@ def _collect(workers: list, messages, on_episode: Callable) -> None:
             on_episode(*payload, process=index)
         elif kind == "done":
             running.discard(index)
+        elif kind == "usage":
+            raise UsageError(payload)
         else:  # "failed"
             raise PlanningProcessError(f"planning process {index} failed:\n{payload}")
 
@@ -96,9 +101,16 @@ def _plan_share(index: int, seeds: list[int], config, args, messages, threads: i
     def sent(result, planner: dict, counters) -> None:
         messages.put(("episode", index, (result, planner, counters)))
 
+    # Failures go to the parent as messages, and the process ends quietly: the parent
+    # prints one report of them (a usage error as one line, as in one process).
     try:
         asyncio.run(_plan_episodes(seeds, config, args, sent))
-    except BaseException:  # an interrupt too: the parent reports it and stops the rest
+    except UsageError as e:
+        messages.put(("usage", index, str(e)))
+        return
+    except KeyboardInterrupt:  # Ctrl-C reaches the parent too, which stops the run
+        return
+    except Exception:
         messages.put(("failed", index, traceback.format_exc()[-_TRACEBACK_CHARS:]))
-        raise
+        return
     messages.put(("done", index, None))

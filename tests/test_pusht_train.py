@@ -696,6 +696,8 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
         ("--adversarial-weight", "-1", "--clip-chunks", "2", "--unroll-share", "0.5"): "at least 0",
         ("--adversarial-background", "0.5"): "give --adversarial-weight too",
         ("--adversarial-background", "1.5"): "in [0, 1]",
+        ("--adversarial-max-scale", "0.01"): "give --adversarial-weight too",
+        ("--adversarial-max-scale", "0", *flags): "above 0",
     }
     for extra, reason in refused.items():
         other = tmp_path / "refused"
@@ -752,6 +754,9 @@ def test_the_adaptive_weight_gives_the_adversarial_gradient_its_ratio_at_the_lay
     (g_adv,) = torch.autograd.grad(weight * adversarial, layer)
     assert float(g_adv.norm()) == pytest.approx(0.3 * float(g_reg.norm()), rel=1e-5)
     assert not weight.requires_grad
+    regression, adversarial = (layer * a).sum().square(), (layer * b).sum()  # the graphs again
+    capped = adaptive_weight(regression, adversarial, layer, 0.3, cap=float(weight) / 2)
+    assert float(capped) == pytest.approx(float(weight) / 2)
 
 
 def test_the_discriminator_judges_only_the_patches_where_clip_and_rollout_differ():
@@ -869,6 +874,26 @@ def test_where_clip_and_rollout_do_not_differ_the_discriminator_has_nothing_to_l
     row = everywhere.train_step()
     assert row["disc_patches"] == 0 and row["loss_disc"] > 1 and row["loss_adversarial"] != 0
     assert any(not torch.equal(first[k], v) for k, v in everywhere.disc.named_parameters())
+
+
+def test_the_adversarial_scale_stops_at_its_bound_and_the_log_says_so(data_24, tmp_path):
+    """`adversarial_max_scale` bounds the term's adaptive weight; the step's log gives the
+    weight used and whether it was at the bound."""
+    free = _unroll_trainer(data_24, tmp_path / "free", "delta", adversarial_weight=0.5, adversarial_start=0)
+    row = free.train_step()
+    assert row["adversarial_capped"] == 0 and row["adversarial_scale"] > 0
+    bound = row["adversarial_scale"] / 10
+    capped = _unroll_trainer(
+        data_24,
+        tmp_path / "capped",
+        "delta",
+        adversarial_weight=0.5,
+        adversarial_start=0,
+        adversarial_max_scale=bound,
+    )
+    row = capped.train_step()
+    assert row["adversarial_capped"] == 1 and row["adversarial_scale"] == pytest.approx(bound)
+    assert row["loss"] == pytest.approx(row["loss_unrolled"] + bound * row["loss_adversarial"], rel=1e-4)
 
 
 def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):

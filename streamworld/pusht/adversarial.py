@@ -118,13 +118,24 @@ def generator_loss(fake: torch.Tensor, where: torch.Tensor | None = None) -> tor
     return -patch_mean(fake, where)
 
 
+# The most the adversarial term's adaptive weight may be, as VQGAN caps it: a near-zero
+# adversarial gradient would otherwise give an unbounded weight.
+ADAPTIVE_WEIGHT_CAP = 1e4
+
+
 def adaptive_weight(
-    regression: torch.Tensor, adversarial: torch.Tensor, at: torch.Tensor, ratio: float
+    regression: torch.Tensor,
+    adversarial: torch.Tensor,
+    at: torch.Tensor,
+    ratio: float,
+    cap: float = ADAPTIVE_WEIGHT_CAP,
 ) -> torch.Tensor:
     """The adversarial term's weight so that its gradient with respect to `at` (the rollouts'
-    frames) has `ratio` times the regression's gradient norm there (detached; capped at 1e4
-    for a near-zero adversarial gradient). Taken at the frames rather than at a layer of the
-    DiT, so that it costs the two losses' own backward passes only, not the DiT's."""
+    frames) has `ratio` times the regression's gradient norm there, at most `cap`
+    (detached). Taken at the frames rather than at a layer of the DiT, so that it costs the
+    two losses' own backward passes only, not the DiT's. A discriminator whose verdict goes
+    flat has a small gradient and so gets a large weight: `cap` bounds how far that goes
+    (`train pusht --adversarial-max-scale`)."""
     g_reg = torch.autograd.grad(regression, at, retain_graph=True)[0]
     g_adv = torch.autograd.grad(adversarial, at, retain_graph=True)[0]
-    return (ratio * g_reg.norm() / (g_adv.norm() + 1e-8)).clamp(max=1e4).detach()
+    return (ratio * g_reg.norm() / (g_adv.norm() + 1e-8)).clamp(max=cap).detach()

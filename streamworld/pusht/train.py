@@ -73,6 +73,7 @@ from ..models.pixels import frames_from_uint8, frames_to_latents
 from ..models.schedule import NUM_TRAIN_TIMESTEPS, FlowSchedule
 from ..models.world_model import WorldModel, image_as_last_frame, resolve_device
 from .adversarial import (
+    ADAPTIVE_WEIGHT_CAP,
     ClipDiscriminator,
     adaptive_weight,
     differing_patches,
@@ -143,6 +144,11 @@ class TrainConfig:
     # losses, against 1 for those that do (`adversarial.patch_weights`): 0 judges the
     # differing patches alone; above 0 the discriminator also learns the still background.
     adversarial_background: float = 0.0
+    # The most the term's adaptive weight may be (`adversarial.adaptive_weight`). As the
+    # discriminator's verdict goes flat its gradient shrinks and the weight grows: rounds 20
+    # and 21 (docs/pusht.md) jumped from round 19's 0.0007-0.004 to 0.2-1.2 as the term joined,
+    # and lost the discriminator.
+    adversarial_max_scale: float = ADAPTIVE_WEIGHT_CAP
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -291,6 +297,15 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError("--adversarial-start applies to the adversarial term: give --adversarial-weight too")
     if not 0 <= cfg.adversarial_background <= 1:
         raise ValueError(f"--adversarial-background must be in [0, 1], got {cfg.adversarial_background}")
+    if not 0 < cfg.adversarial_max_scale <= ADAPTIVE_WEIGHT_CAP:
+        raise ValueError(
+            f"--adversarial-max-scale must be above 0 and at most {ADAPTIVE_WEIGHT_CAP:g}, "
+            f"got {cfg.adversarial_max_scale}"
+        )
+    if not cfg.adversarial_weight and cfg.adversarial_max_scale != TrainConfig.adversarial_max_scale:
+        raise ValueError(
+            "--adversarial-max-scale applies to the adversarial term: give --adversarial-weight too"
+        )
     if not cfg.adversarial_weight and cfg.adversarial_background:
         raise ValueError(
             "--adversarial-background applies to the adversarial term: give --adversarial-weight too"
@@ -1102,8 +1117,13 @@ class Trainer:
             adversarial = generator_loss(self.disc(sink, pred, actions), where)
         finally:
             self.disc.requires_grad_(True)
-        weight = adaptive_weight(regression, adversarial, pred, self.cfg.adversarial_weight)
-        stats = {"loss_adversarial": float(adversarial.detach()), "adversarial_scale": float(weight)}
+        cap = self.cfg.adversarial_max_scale
+        weight = adaptive_weight(regression, adversarial, pred, self.cfg.adversarial_weight, cap)
+        stats = {
+            "loss_adversarial": float(adversarial.detach()),
+            "adversarial_scale": float(weight),
+            "adversarial_capped": float(weight >= cap),  # logged as the share of steps
+        }
         return regression + weight * adversarial, stats
 
     def objective(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -103,10 +103,10 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "together where they attend to as many cached frames, more branches per DiT call (at "
         "most 64, and 272 planning streams: N x (samples + 1)). "
         "Batched frames may differ from one-at-a-time ones by float rounding, so an episode's "
-        "outcome can differ. On an H100 it planned at about the rate of one episode at a time, "
-        "since the episodes' host work shares one thread; eight processes side by side planned "
-        "2.3 times as many branches per second: they are the way to fill a GPU (--processes; "
-        "docs/planning.md)",
+        "outcome can differ. On an H100 it planned at about the rate of one episode at a time "
+        "(132 branches per wall second against 123), since the episodes' host work shares one "
+        "thread, while eight processes side by side, timed without their start-up, planned at "
+        "least 308: processes are the way to fill a GPU (--processes; docs/planning.md)",
     )
     plan.add_argument(
         "--processes",
@@ -117,9 +117,10 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "the seeds are dealt out in turn, each process loads the model and runs its own engine on "
         "--device (each with --concurrent episodes at once), and this process writes one report "
         "of all of them. Each process also has its own host thread for the episodes' host work "
-        "(the environment, scene fits, costs), which bounds one process's planning on a GPU: "
-        "there 8 processes planned 2.3 times the branches per second of one (docs/planning.md). "
-        "On a CPU the processes share its cores",
+        "(the environment, scene fits, costs), which bounds one process's planning on a GPU. "
+        "Each process's start-up counts in the report's wall time: on an H100, 16 processes "
+        "over 96 seeds planned 215 branches per wall second with it, one process over 16 seeds "
+        "154 (docs/planning.md). On a CPU the processes share its cores",
     )
     arguments.add_search_arguments(plan)
     plan.add_argument(

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "(the environment, scene fits, costs), which bounds one process's planning on a GPU. "
         "Each process's start-up counts in the report's wall time: on an H100, 16 processes "
         "over 96 seeds planned 215 branches per wall second with it, one process over 16 seeds "
-        "154 (docs/planning.md). On a CPU the processes share its cores",
+        "154 (docs/planning.md). On a CPU the processes share its cores: at most one per core",
     )
     arguments.add_search_arguments(plan)
     plan.add_argument(
@@ -291,6 +292,12 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
         raise UsageError(f"--concurrent must be 1 to {MAX_CONCURRENT}, got {args.concurrent}")
     if not 1 <= args.processes <= MAX_PROCESSES:
         raise UsageError(f"--processes must be 1 to {MAX_PROCESSES}, got {args.processes}")
+    cores = os.cpu_count() or 1
+    if not args.device.startswith("cuda") and args.processes > cores:
+        raise UsageError(
+            f"--processes {args.processes} on the CPU, which has {cores} cores: at most {cores} "
+            "(each process plans on cores of its own, and holds its own model)"
+        )
     streams = args.concurrent * (args.samples + 1)
     if args.concurrent > 1 and streams > MAX_CONCURRENT_STREAMS:
         raise UsageError(

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from streamworld.cli import main
-from streamworld.cli.eval import merged_counters
+from streamworld.cli.eval import _plan_episodes, merged_counters
 from streamworld.cli.plan_processes import PlanningProcessError, plan_in_processes
 
 SEARCH = ["--samples", "8", "--elites", "2", "--iterations", "2", "--plan-horizon", "8"]
@@ -50,11 +50,11 @@ def test_processes_are_at_most_one_per_seed_and_checked(tmp_path, capsys):
         assert f"on the CPU, which has {cores} cores: at most {cores}" in capsys.readouterr().err
 
 
-def _dies(index, seeds, config, args, messages, threads):
+def _dies(index, seeds, config, args, messages, threads, plan):
     os._exit(3)  # as a process the OS kills: no word to the parent
 
 
-def _reports(index, seeds, config, args, messages, threads):
+def _reports(index, seeds, config, args, messages, threads, plan):
     for seed in seeds:
         messages.put(("episode", index, (seed, {"process": index}, {"threads": threads})))
     messages.put(("done", index, None))
@@ -67,7 +67,7 @@ def test_a_failing_process_stops_the_run_with_its_traceback():
     with pytest.raises(
         PlanningProcessError, match=r"(?s)planning process [01] failed:.*unknown model 'no-such-model'"
     ):
-        plan_in_processes([0, 1], None, args, lambda *a, **k: None, 2)
+        plan_in_processes([0, 1], None, args, lambda *a, **k: None, 2, _plan_episodes)
 
 
 def test_a_usage_error_in_a_process_is_one_line_and_exit_code_2(tmp_path, capsys):
@@ -81,13 +81,19 @@ def test_a_usage_error_in_a_process_is_one_line_and_exit_code_2(tmp_path, capsys
 
 def test_a_process_that_dies_without_a_word_stops_the_run():
     with pytest.raises(PlanningProcessError, match="planning process 0 exited with code 3"):
-        plan_in_processes([0, 1], None, None, lambda *a, **k: None, 1, target=_dies)
+        plan_in_processes([0, 1], None, None, lambda *a, **k: None, 1, None, target=_dies)
 
 
 def test_every_process_gets_every_pth_seed_and_its_episodes_come_back():
     seen = []
     plan_in_processes(
-        [10, 11, 12, 13, 14], None, None, lambda *a, process: seen.append((process, *a)), 2, target=_reports
+        [10, 11, 12, 13, 14],
+        None,
+        None,
+        lambda *a, process: seen.append((process, *a)),
+        2,
+        None,
+        target=_reports,
     )
     threads = max(1, (os.cpu_count() or 1) // 2)
     expected = [

@@ -258,7 +258,7 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
         if processes > 1:
             from .plan_processes import plan_in_processes
 
-            plan_in_processes(seeds, config, args, progress.add, processes)
+            plan_in_processes(seeds, config, args, progress.add, processes, _plan_episodes)
         else:
             planned = asyncio.run(_plan_episodes(seeds, config, args, progress.add))
             progress.planner, progress.counters[0] = planned

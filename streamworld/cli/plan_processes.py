@@ -36,10 +36,13 @@ def plan_in_processes(
     args: argparse.Namespace,
     on_episode: Callable,
     processes: int,
+    plan: Callable,
     target: Callable | None = None,
 ) -> None:
-    """Plans `seeds` in `processes` spawned processes and calls on_episode(result, planner,
-    counters, process) here as each episode ends. Returns when every process is done. When
+    """Plans `seeds` in `processes` spawned processes, each running `plan(its seeds, config,
+    args, on_episode)` (`eval._plan_episodes`, passed in, so that this module does not import
+    the command's), and calls on_episode(result, planner, counters, process) here as each
+    episode ends. Returns when every process is done. When
     one fails, stops the rest and raises: UsageError for the user's own mistake (as one
     process would), else PlanningProcessError with the process's traceback. `target`
     replaces the process's work (tests)."""
@@ -49,7 +52,7 @@ def plan_in_processes(
     workers = [
         context.Process(
             target=target or _plan_share,
-            args=(index, seeds[index::processes], config, args, messages, threads),
+            args=(index, seeds[index::processes], config, args, messages, threads, plan),
             name=f"streamworld-plan-{index}",
             daemon=True,
         )
@@ -90,11 +93,9 @@ def _collect(workers: list, messages, on_episode: Callable) -> None:
             raise PlanningProcessError(f"planning process {index} failed:\n{payload}")
 
 
-def _plan_share(index: int, seeds: list[int], config, args, messages, threads: int) -> None:
-    """One planning process: its seeds through `eval._plan_episodes`, each episode sent back."""
+def _plan_share(index: int, seeds: list[int], config, args, messages, threads: int, plan: Callable) -> None:
+    """One planning process: its seeds through `plan`, each episode sent back."""
     import torch
-
-    from .eval import _plan_episodes
 
     torch.set_num_threads(threads)  # the processes share the machine's cores
 
@@ -104,7 +105,7 @@ def _plan_share(index: int, seeds: list[int], config, args, messages, threads: i
     # Failures go to the parent as messages, and the process ends quietly: the parent
     # prints one report of them (a usage error as one line, as in one process).
     try:
-        asyncio.run(_plan_episodes(seeds, config, args, sent))
+        asyncio.run(plan(seeds, config, args, sent))
     except UsageError as e:
         messages.put(("usage", index, str(e)))
         return

@@ -95,6 +95,32 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--plan-horizon", type=int, default=24, help="steps each plan covers (default 24)")
     plan.add_argument("--execute", type=int, help="steps run before replanning (default: the horizon)")
     plan.add_argument("--knot-frames", type=int, default=4, help="steps a planned target holds (default 4)")
+    _add_parallel_arguments(plan)
+    arguments.add_search_arguments(plan)
+    plan.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the DiT's blocks from CUDA graphs (as `serve --cuda-graphs`); CUDA devices only",
+    )
+    plan.add_argument(
+        "--ensemble",
+        action="append",
+        metavar="MODEL[=PATH]",
+        help="also roll every candidate out with this PushT model (its shipped weights, or PATH) and "
+        "score a candidate by its cost averaged over the models, as PETS plans through an ensemble; "
+        "repeat for more members. Each member is one more engine on --device, with its own noise seed, "
+        "so the model itself again is a member too. --kv-mode and --steps apply to every member",
+    )
+    plan.add_argument(
+        "--simulator",
+        action="store_true",
+        help="roll the candidates out in the true environment instead of the model: what a perfect "
+        "model would reach with the same search and cost (CPU; no model is loaded)",
+    )
+
+
+def _add_parallel_arguments(plan: argparse._ArgumentGroup) -> None:
+    """--concurrent and --processes: several episodes at once, in one process or several."""
     plan.add_argument(
         "--concurrent",
         type=int,
@@ -122,27 +148,6 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "Each process's start-up counts in the report's wall time: on an H100, 16 processes "
         "over 96 seeds planned 215 branches per wall second with it, one process over 16 seeds "
         "154 (docs/planning.md). On a CPU the processes share its cores: at most one per core",
-    )
-    arguments.add_search_arguments(plan)
-    plan.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="replay the DiT's blocks from CUDA graphs (as `serve --cuda-graphs`); CUDA devices only",
-    )
-    plan.add_argument(
-        "--ensemble",
-        action="append",
-        metavar="MODEL[=PATH]",
-        help="also roll every candidate out with this PushT model (its shipped weights, or PATH) and "
-        "score a candidate by its cost averaged over the models, as PETS plans through an ensemble; "
-        "repeat for more members. Each member is one more engine on --device, with its own noise seed, "
-        "so the model itself again is a member too. --kv-mode and --steps apply to every member",
-    )
-    plan.add_argument(
-        "--simulator",
-        action="store_true",
-        help="roll the candidates out in the true environment instead of the model: what a perfect "
-        "model would reach with the same search and cost (CPU; no model is loaded)",
     )
 
 

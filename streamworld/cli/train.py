@@ -229,6 +229,11 @@ def _add_unroll_arguments(group: argparse._ArgumentGroup) -> None:
         "absolute error for their median; in a CPU pilot l1 lost the block more often, not less "
         "(docs/pusht.md); with --unroll-share only",
     )
+    _add_adversarial_arguments(group)
+
+
+def _add_adversarial_arguments(group: argparse._ArgumentGroup) -> None:
+    """--adversarial-*: a discriminator's verdict on the unrolled rollouts."""
     group.add_argument(
         "--adversarial-weight",
         type=float,

@@ -44,6 +44,8 @@ from streamworld.pusht.adversarial import (
     ClipDiscriminator,
     differing_patches,
     discriminator_loss,
+    discriminator_optimizer,
+    discriminator_update,
     patch_weights,
 )
 from streamworld.pusht.data import DatasetSpec
@@ -101,7 +103,7 @@ def train_variants(
         for background in args.background:
             torch.manual_seed(args.seed)
             disc = ClipDiscriminator(size)
-            opt = torch.optim.AdamW(disc.parameters(), lr=lr, betas=(0.5, 0.99), weight_decay=0.0)
+            opt = discriminator_optimizer(disc, lr)
             kind = {1.0: "mean", 0.0: "masked"}.get(background, f"background {background:g}")
             variants[f"{kind} lr {lr:g}"] = (disc, opt, background)
     history: dict[str, list[dict]] = {name: [] for name in variants}
@@ -110,12 +112,8 @@ def train_variants(
     for step in range(1, args.steps + 1):
         sink, real, fake, actions = batches[(step - 1) % (len(batches) - 1)]
         for name, (disc, opt, background) in variants.items():
-            d_real, d_fake = disc(sink, real, actions), disc(sink, fake, actions)
-            where = patch_weights(differing_patches(real, fake, d_real.shape[2:]), background)
-            loss = discriminator_loss(d_real, d_fake, where)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            where = patch_weights(differing_patches(real, fake, disc.grid(real.shape[2])), background)
+            discriminator_update(disc, opt, sink, real, fake, actions, where)  # as training's step
             if step % args.every == 0 or step == args.steps:
                 history[name].append({"step": step, **score(disc, batches[-1])})
                 row = history[name][-1]

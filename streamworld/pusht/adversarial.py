@@ -118,6 +118,33 @@ def generator_loss(fake: torch.Tensor, where: torch.Tensor | None = None) -> tor
     return -patch_mean(fake, where)
 
 
+def discriminator_optimizer(disc: ClipDiscriminator, lr: float) -> torch.optim.Optimizer:
+    """The discriminator's AdamW: a low first-moment decay (0.5), as GAN discriminators train,
+    and no weight decay."""
+    return torch.optim.AdamW(disc.parameters(), lr=lr, betas=(0.5, 0.99), weight_decay=0.0)
+
+
+def discriminator_update(
+    disc: ClipDiscriminator,
+    opt: torch.optim.Optimizer,
+    sink: torch.Tensor,
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    actions: torch.Tensor,
+    where: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimiser step of `disc`: true clips `real` against rollouts `fake` (detached by
+    the caller) of the same sinks and actions, the hinge losses over the patches `where`
+    (weighed). Returns the loss and the two sides' logits, detached."""
+    d_real = disc(sink, real, actions)
+    d_fake = disc(sink, fake, actions)
+    loss = discriminator_loss(d_real, d_fake, where)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.detach(), d_real.detach(), d_fake.detach()
+
+
 # The most the adversarial term's adaptive weight may be, as VQGAN caps it: a near-zero
 # adversarial gradient would otherwise give an unbounded weight.
 ADAPTIVE_WEIGHT_CAP = 1e4

@@ -77,7 +77,8 @@ from .adversarial import (
     ClipDiscriminator,
     adaptive_weight,
     differing_patches,
-    discriminator_loss,
+    discriminator_optimizer,
+    discriminator_update,
     generator_loss,
     patch_mean,
     patch_weights,
@@ -853,8 +854,7 @@ class Trainer:
         with torch.random.fork_rng(devices=[]):  # its initial weights follow the run's seed
             torch.default_generator.manual_seed(self.cfg.seed)  # built on the CPU
             disc = ClipDiscriminator(self.mcfg.height).to(self.device).train()
-        opt = torch.optim.AdamW(disc.parameters(), lr=self.cfg.lr, betas=(0.5, 0.99), weight_decay=0.0)
-        return disc, opt
+        return disc, discriminator_optimizer(disc, self.cfg.lr)
 
     # --- checkpoints ------------------------------------------------------------------
     @property
@@ -1086,18 +1086,14 @@ class Trainer:
         over the patches where clip and rollout differ (weighed): elsewhere there is nothing
         to tell apart."""
         assert self.disc is not None
-        d_real = self.disc(sink, real, actions)
-        d_fake = self.disc(sink, fake, actions)
-        loss = discriminator_loss(d_real, d_fake, where)
-        self.disc_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        self.disc_opt.step()
-        with torch.no_grad():
-            return {
-                "loss_disc": float(loss),
-                "disc_real": float(patch_mean(d_real, where)),
-                "disc_fake": float(patch_mean(d_fake, where)),
-            }
+        loss, d_real, d_fake = discriminator_update(
+            self.disc, self.disc_opt, sink, real, fake, actions, where
+        )
+        return {
+            "loss_disc": float(loss),
+            "disc_real": float(patch_mean(d_real, where)),
+            "disc_fake": float(patch_mean(d_fake, where)),
+        }
 
     def adversarial_term(
         self,

@@ -294,8 +294,6 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError(
             "--adversarial-weight must be finite, and neither it nor --adversarial-start negative"
         )
-    if not cfg.adversarial_weight and cfg.adversarial_start != TrainConfig.adversarial_start:
-        raise ValueError("--adversarial-start applies to the adversarial term: give --adversarial-weight too")
     if not 0 <= cfg.adversarial_background <= 1:
         raise ValueError(f"--adversarial-background must be in [0, 1], got {cfg.adversarial_background}")
     if not 0 < cfg.adversarial_max_scale <= ADAPTIVE_WEIGHT_CAP:
@@ -303,14 +301,11 @@ def check_unroll(cfg: TrainConfig) -> None:
             f"--adversarial-max-scale must be above 0 and at most {ADAPTIVE_WEIGHT_CAP:g}, "
             f"got {cfg.adversarial_max_scale}"
         )
-    if not cfg.adversarial_weight and cfg.adversarial_max_scale != TrainConfig.adversarial_max_scale:
-        raise ValueError(
-            "--adversarial-max-scale applies to the adversarial term: give --adversarial-weight too"
-        )
-    if not cfg.adversarial_weight and cfg.adversarial_background:
-        raise ValueError(
-            "--adversarial-background applies to the adversarial term: give --adversarial-weight too"
-        )
+    if not cfg.adversarial_weight:
+        for name in ("adversarial_start", "adversarial_background", "adversarial_max_scale"):
+            if getattr(cfg, name) != getattr(TrainConfig, name):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} applies to the adversarial term: give --adversarial-weight too")
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")

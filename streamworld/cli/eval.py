@@ -265,8 +265,7 @@ def run_plan(args: argparse.Namespace, seeds: list[int]) -> int:
 
             plan_in_processes(seeds, config, args, progress.add, processes, _plan_episodes)
         else:
-            planned = asyncio.run(_plan_episodes(seeds, config, args, progress.add))
-            progress.planner, progress.counters[0] = planned
+            asyncio.run(_plan_episodes(seeds, config, args, progress.add))
     finally:
         progress.close()
     report = progress.report(True)
@@ -418,13 +417,11 @@ def _engine_counters(engines: list) -> dict:
     return out
 
 
-async def _plan_episodes(
-    seeds: list[int], config, args: argparse.Namespace, on_episode
-) -> tuple[dict, dict | None]:
+async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace, on_episode) -> None:
     """Plans every seed's episode, `--concurrent` of them at a time, in this process, and
     calls on_episode(result, planner, counters) as each ends (planner: what plans;
-    counters: the engines' counters so far, None in the true environment). Returns the
-    planner and the final counters."""
+    counters: the engines' counters so far, None in the true environment; after the last
+    episode, the run's)."""
     async with _rollouts(args, config) as (planner, size, rollouts_for, counters):
         # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
         # them one by one, which is faster there (pusht/batch_locate.py).
@@ -438,7 +435,6 @@ async def _plan_episodes(
             on_episode(result, planned, counters())
 
         await _all_or_none([episode(seed) for seed in seeds])
-        return planned, counters()
 
 
 class _PlanProgress:

@@ -54,6 +54,7 @@ def test_serve_flags_after_the_separator_go_to_the_server():
         assert exc.value.code == 2
 
 
+@pytest.mark.slow
 def test_short_chaos_run_leaves_the_server_unharmed(tmp_path):
     out = tmp_path / "chaos.json"
     command = [sys.executable, "loadtests/chaos.py", "--duration", "22", "--warmup", "4"]

@@ -203,6 +203,7 @@ def test_a_bench_window_too_short_for_a_chunk_runs_on_until_the_first_one(tmp_pa
     assert engine["aggregate_fps"] > 0 and sum(s["chunks"] for s in engine["per_stream"]) >= 1
 
 
+@pytest.mark.slow
 def test_bench_runs_engine_and_baseline_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", "tiny-wan", "--streams", "2", "--duration", "1", "--unpaced"]
@@ -469,6 +470,7 @@ def test_serve_placement_flags_become_replicas_and_stages():
     assert placed("--stages", "2", "--ranks", "2").describe() == "0-2@cpu,3-5@cpu,decode@cpu"
 
 
+@pytest.mark.slow
 def test_bench_spreads_streams_over_replicas_and_reports_each(tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", "tiny-wan", "--streams", "4", "--duration", "1.5", "--unpaced"]

@@ -149,6 +149,7 @@ def test_the_training_target_added_to_the_served_last_frame_gives_the_clip():
         last = x0[:, -1:]
 
 
+@pytest.mark.slow
 def test_train_fine_tunes_x0_weights_to_delta_and_serving_adopts_what_they_record(tmp_path, capsys):
     """`train pusht --prediction delta --init X0_WEIGHTS` starts from the x0 model and trains
     the exact KV modes' contexts only; its export

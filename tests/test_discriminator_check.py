@@ -19,6 +19,7 @@ def _bench():
     return module
 
 
+@pytest.mark.slow
 def test_the_check_trains_every_variant_from_one_start_and_scores_it_on_the_held_out_batch(tmp_path):
     bench = _bench()
     out = tmp_path / "check.json"

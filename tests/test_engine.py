@@ -266,7 +266,7 @@ async def test_clean_mode_serialises_chunks_of_one_stream(tiny_model):
             assert e.start >= commit_end[e.unit.chunk - 1]
 
 
-@pytest.mark.parametrize("stages, wanted", [(2, 100), (3, 40)])
+@pytest.mark.parametrize("stages, wanted", [pytest.param(2, 100, marks=pytest.mark.slow), (3, 40)])
 async def test_random_cancellations_free_everything_and_leave_others_unchanged(tiny_model, stages, wanted):
     from streamworld.engine import parse_placement
 

@@ -103,6 +103,7 @@ async def test_engine_streams_decode_through_the_lite_decoder_as_the_reference_d
     assert not np.array_equal(wan.frames, expected.frames)
 
 
+@pytest.mark.slow
 async def test_compiled_elementwise_equals_eager_for_units_and_batches():
     model = WorldModel.load(tiny_config())
     eager = {s: _reference(model, s) for s in (0, 1, 2)}
@@ -119,6 +120,7 @@ async def test_compiled_elementwise_equals_eager_for_units_and_batches():
         assert_matches(out, eager[seed])
 
 
+@pytest.mark.slow
 def test_compiled_lite_decoder_equals_eager_for_streams_and_batches():
     eager, compiled = _lite_vae(seed=4), _lite_vae(seed=4)
     compiled.lite.compile_for(8, 8, 3)  # tiny-wan: 8x8 latents, 3 per chunk
@@ -170,6 +172,7 @@ def _videos(folder, n: int = 3, frames: int = 30) -> None:
         write_mp4(clip, folder / f"v{v}.mp4", fps=16)
 
 
+@pytest.mark.slow
 def test_distill_decoder_cli_trains_weights_that_serve(tmp_path, capsys):
     videos = tmp_path / "videos"
     _videos(videos)

@@ -92,6 +92,7 @@ def test_bad_arguments_exit_with_code_2(capsys):
         assert "error" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 async def test_smoke_run_against_a_server(models, tmp_path):  # noqa: F811
     engine = EngineConfig(max_streams=4, max_queue=32, ttff_budget_s=2.0)
     _server, running = await start_server(models, engine)
@@ -160,6 +161,7 @@ async def test_held_sessions_on_the_default_model_without_prompt_or_image(pusht_
     assert run.check(result) == []
 
 
+@pytest.mark.slow
 async def test_acking_slow_readers_end_cleanly_and_the_server_does_not_run_ahead(pusht_server):  # noqa: F811
     # Slow readers that acknowledge what they read: the server paces them (it generates
     # about what they read, not real time), and they end as planned, without errors.

@@ -113,6 +113,7 @@ def test_a_stage_link_copies_only_between_devices_and_counts_what_it_moved():
     ]
 
 
+@pytest.mark.slow
 def test_the_multi_gpu_study_script_runs_its_pipeline_part_dry(tmp_path):
     """benchmarks/multi_gpu.py waits for a host with several GPUs; its dry run (every GPU on
     one device, here the CPU, with the small test model) checks its plumbing meanwhile."""

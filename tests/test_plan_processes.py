@@ -14,6 +14,7 @@ SEARCH = ["--samples", "8", "--elites", "2", "--iterations", "2", "--plan-horizo
 SEARCH += ["--budget", "16", "--goal-steps", "2"]
 
 
+@pytest.mark.slow
 def test_processes_reach_what_one_process_reaches_and_write_one_report(tmp_path, capsys):
     """In the true environment (no model, so no float rounding between runs) two processes
     end every episode exactly as one process does, and their report lists them in the
@@ -60,6 +61,7 @@ def _reports(index, seeds, config, args, messages, threads, plan):
     messages.put(("done", index, None))
 
 
+@pytest.mark.slow
 def test_a_failing_process_stops_the_run_with_its_traceback():
     """The real planning process, given a model that does not exist: its error and where it
     came from reach the parent, which stops the run."""
@@ -70,6 +72,7 @@ def test_a_failing_process_stops_the_run_with_its_traceback():
         plan_in_processes([0, 1], None, args, lambda *a, **k: None, 2, _plan_episodes)
 
 
+@pytest.mark.slow
 def test_a_usage_error_in_a_process_is_one_line_and_exit_code_2(tmp_path, capsys):
     """Weights that do not exist are found where the model loads, in the processes: the
     user sees the same one-line error and exit code as from one process."""

@@ -368,6 +368,7 @@ def pusht_model() -> WorldModel:
     return WorldModel.load(get_preset("pusht"))
 
 
+@pytest.mark.slow
 async def test_the_planner_reaches_an_easy_goal_with_the_shipped_model(pusht_model):
     """A goal 5 steps along a recorded trajectory: the model-predictive planner, forking the
     observed frame into 16 candidates per iteration, reaches it within 24 steps."""
@@ -439,6 +440,7 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert "max_speed" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_plan_concurrent_episodes_reach_what_one_at_a_time_reaches(tmp_path, capsys, monkeypatch):
     """`--concurrent 3` plans three episodes at once. In the true environment (no batched
     float rounding) every episode ends exactly as when they run one at a time, and the
@@ -738,6 +740,7 @@ def _benchmark(script: str, *args: str, timeout: float = 120) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow
 def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     """benchmarks/plan_cost.py writes a timing for each `--cost-frames` mode, here for the
     fork-at-once PyTorch path (the timings themselves belong to the benchmark, not to this
@@ -766,6 +769,7 @@ def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     assert set(rows) == set(COST_FRAMES) and all(row["seconds_per_plan"] > 0 for row in rows.values())
 
 
+@pytest.mark.slow
 def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
     """benchmarks/plan_throughput.py forks the shipped model's stream for each size asked and
     writes one row per size (the timings belong to the benchmark, not to this test)."""
@@ -858,6 +862,7 @@ def test_the_plan_ranking_benchmark_finds_the_pick_the_truths_best_and_the_regre
     assert totals["pushes_where_the_pick_brings_the_block_nearer"] == 0 and totals["pick_reaches"] == 0
 
 
+@pytest.mark.slow
 def test_the_plan_ranking_benchmark_runs_a_plan_through_the_model_and_the_truth(tmp_path):
     """One tiny plan end to end with the shipped model; a bad count of proposals is a usage
     error."""

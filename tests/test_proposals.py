@@ -73,6 +73,7 @@ def test_variants_turn_the_push_or_shift_it_across_and_a_line_that_misses_gives_
     assert np.allclose(push_path(now, Scene(RIGHT.agent, UPRIGHT)), [RIGHT.agent])
 
 
+@pytest.mark.slow
 def test_proposals_carry_blocks_toward_their_goals_in_the_true_environment():
     """On the tasks of seeds 100-119 whose block must move, read from the frames alone: the
     first proposal, run in the real environment, brings the block's middle nearer its goal
@@ -256,6 +257,7 @@ def test_after_a_turn_the_way_to_the_agents_goal_place_avoids_the_block_where_th
     assert detours >= 2
 
 
+@pytest.mark.slow
 def test_turns_bring_blocks_nearer_their_goals_angle_in_the_true_environment():
     """On the tasks of seeds 100-129 whose block starts turned 15 degrees or more from its
     goal, read from the frames alone: the best of the three turns, run in the real

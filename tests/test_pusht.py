@@ -119,6 +119,7 @@ def test_block_mask_finds_the_block_the_locator_finds():
     assert expected.sum() > 50 and np.array_equal(mask[0, 0, 0].numpy(), expected)
 
 
+@pytest.mark.slow
 def test_train_cli_stops_on_sigterm_with_a_checkpoint_and_the_weights(tmp_path, capsys, monkeypatch):
     """SIGTERM (as `timeout` sends it) ends the run after the current step like --minutes
     does: exit 0, a checkpoint to resume from, the exported weights and a summary naming it;
@@ -154,6 +155,7 @@ def test_train_cli_stops_on_sigterm_with_a_checkpoint_and_the_weights(tmp_path, 
     assert settings["prediction"] == "x0" and settings["init"] is None and settings["data"]["episodes"] == 4
 
 
+@pytest.mark.slow
 def test_train_cli_smoke_run_resumes_and_exports_loadable_weights(tmp_path, capsys):
     work = tmp_path / "w"
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(work), "--total-steps", "2"]) == 0
@@ -198,6 +200,7 @@ def test_train_cli_refuses_a_checkpoint_that_holds_more_than_tensors(tmp_path, c
     assert "holds objects other than tensors" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monkeypatch):
     """A checkpoint resumes only under the settings it was trained with (the schedule's
     length aside), checked before any data is recorded; the message names what differs."""
@@ -293,6 +296,7 @@ def test_train_cli_sets_the_warm_up_and_the_logging_interval():
     assert _lr_at(60, config) == pytest.approx(config.lr * (1 + config.min_lr_ratio) / 2)
 
 
+@pytest.mark.slow
 def test_train_cli_trains_on_its_own_rollouts(tmp_path):
     work = tmp_path / "w"
     argv = [
@@ -312,6 +316,7 @@ def test_train_cli_trains_on_its_own_rollouts(tmp_path):
     assert all("loss_rollout" in entry for entry in summary["history"])
 
 
+@pytest.mark.slow
 def test_train_cli_trains_stream_clips_on_its_own_rollouts(tmp_path, capsys):
     """`--clip-chunks` with `--rollout-share`: rollouts are stream clips, every batch has
     rollout samples; one-chunk clips, which leave no chunk with the model's own context, are
@@ -327,6 +332,7 @@ def test_train_cli_trains_stream_clips_on_its_own_rollouts(tmp_path, capsys):
     assert "needs 2 chunks or more" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_cli_with_simulated_targets_trains_on_when_no_frame_shows_a_t(tmp_path):
     """The smoke model's random weights draw no T, so no rollout chunk gets a simulated
     target: every batch is made of true-context clips, and the summary says so."""

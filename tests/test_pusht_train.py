@@ -148,6 +148,7 @@ def assert_served(frames: torch.Tensor, expected: np.ndarray) -> None:
     assert (frames.int() - torch.from_numpy(expected).int()).abs().max() <= 2
 
 
+@pytest.mark.slow
 def test_rollout_workers_leave_the_trainers_process_group():
     """`timeout` and Ctrl-C signal the whole process group; the workers that simulate
     rollout targets are in a group of their own, so a task in flight still returns and the
@@ -673,6 +674,7 @@ def test_bad_unroll_settings_are_refused(data_24, tmp_path, overrides, error):
         Trainer(smoke_config(PUSHT), config, data_24, tmp_path / "bad", "cpu")
 
 
+@pytest.mark.slow
 def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_path, capsys):
     from streamworld.cli import main as cli_main
 
@@ -706,6 +708,7 @@ def test_train_cli_runs_the_unrolled_objective_and_refuses_what_cannot_run(tmp_p
         assert not (other / "data").exists()  # refused before recording any data
 
 
+@pytest.mark.slow
 def test_the_train_speed_benchmark_counts_and_times_the_unrolled_objective(tmp_path):
     """benchmarks/pusht_train_speed.py: a variant's sixth field is its unroll share; the
     model FLOPs of a step add the unrolled clips' forwards (`unroll_layouts`) to the
@@ -801,6 +804,7 @@ def test_the_discriminator_judges_only_the_patches_where_clip_and_rollout_differ
     assert float(every) == pytest.approx(float(discriminator_loss(d_real, d_fake)))
 
 
+@pytest.mark.slow
 def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its_start(data_24, tmp_path):
     """With `adversarial_weight`, every step first trains the discriminator on the true
     clips against the unrolled rollouts, and from `adversarial_start` on the rollouts' loss
@@ -847,6 +851,7 @@ def test_the_discriminator_learns_and_its_verdict_joins_the_unrolled_loss_at_its
     assert steps[-1]["disc_real"] > steps[-1]["disc_fake"]
 
 
+@pytest.mark.slow
 def test_where_clip_and_rollout_do_not_differ_the_discriminator_has_nothing_to_learn(
     data_24, tmp_path, monkeypatch
 ):
@@ -876,6 +881,7 @@ def test_where_clip_and_rollout_do_not_differ_the_discriminator_has_nothing_to_l
     assert any(not torch.equal(first[k], v) for k, v in everywhere.disc.named_parameters())
 
 
+@pytest.mark.slow
 def test_the_adversarial_scale_stops_at_its_bound_and_the_log_says_so(data_24, tmp_path):
     """`adversarial_max_scale` bounds the term's adaptive weight; the step's log gives the
     weight used and whether it was at the bound."""
@@ -896,6 +902,7 @@ def test_the_adversarial_scale_stops_at_its_bound_and_the_log_says_so(data_24, t
     assert row["loss"] == pytest.approx(row["loss_unrolled"] + bound * row["loss_adversarial"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_resumed_adversarial_run_keeps_its_discriminator(data_24, tmp_path):
     trainer = _unroll_trainer(data_24, tmp_path, "delta", adversarial_weight=0.5, adversarial_start=0)
     trainer.train_step()

@@ -73,6 +73,7 @@ def test_frame_counts_follow_the_vae_temporal_compression(tiny_model):
     assert result.latents.shape == tiny_model.latent_shape(3 * cfg.latent_frames_per_chunk)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["clean", "noisy"])
 def test_window_keeps_kv_memory_flat_over_many_chunks(mode):
     model = load_tiny(height=32, width=32)

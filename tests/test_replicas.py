@@ -35,6 +35,7 @@ def test_the_choice_prefers_free_pages_then_fewer_streams_of_the_class_then_shor
     assert choose_replica(full) == 1
 
 
+@pytest.mark.slow
 async def test_eight_streams_spread_over_two_replicas_and_match_the_reference(tiny_model):
     modes = ["clean", "final", "noisy", "noisy"] * 2
     async with two_replicas(tiny_model) as replicas:

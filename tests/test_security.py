@@ -99,6 +99,7 @@ async def _true(value: bool) -> bool:
     return value
 
 
+@pytest.mark.slow
 async def test_a_client_that_stops_reading_is_counted_as_an_error(models, caplog):  # noqa: F811
     caplog.set_level(logging.INFO)
     model = load_tiny(height=256, width=256)  # big rgb chunks fill the socket buffers quickly

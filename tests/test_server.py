@@ -347,6 +347,7 @@ async def test_disconnect_mid_stream_frees_the_pages(served):
     assert await metric(http, "streamworld_sessions_active") == 0
 
 
+@pytest.mark.slow
 async def test_a_client_that_stops_reading_does_not_hold_up_others(models, transport):
     limits = SessionLimits(pause_chunks=1, slow_client_timeout_s=1.0)
     model = load_tiny(height=256, width=256)  # big rgb chunks fill the socket buffers quickly
@@ -438,6 +439,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 async def test_serve_command_exits_cleanly_on_sigterm():
     port = _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

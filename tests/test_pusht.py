@@ -251,6 +251,8 @@ def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monke
         ("--minutes", "0"),
         ("--block-weight", "-1"),
         ("--block-weight", "nan"),
+        ("--state-weight", "-1"),
+        ("--state-weight", "nan"),
         ("--push-share", "1.5"),
         ("--jump-share", "2"),
         ("--rollout-share", "1.5"),
@@ -277,6 +279,19 @@ def test_train_cli_passes_compile_to_the_trainer(smoke):
     for flags, compiled in (([], False), (["--compile"], True)):
         args = parser.parse_args(["train", "pusht", *smoke, *flags])
         assert train_cli._configs(args)[2].compile is compiled
+
+
+@pytest.mark.parametrize("smoke", [[], ["--smoke"]])
+def test_train_cli_passes_the_state_weight_to_the_trainer(smoke):
+    import argparse
+
+    from streamworld.cli import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    for flags, weight in (([], 0.0), (["--state-weight", "0.3"], 0.3)):
+        args = parser.parse_args(["train", "pusht", *smoke, *flags])
+        assert train_cli._configs(args)[2].state_weight == weight
 
 
 def test_train_cli_sets_the_warm_up_and_the_logging_interval():

@@ -141,6 +141,19 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra loss weight on pixels where the block is or was at the start (default 0)",
     )
     group.add_argument(
+        "--state-weight",
+        type=float,
+        default=0.0,
+        help="train a small probe that reads each trained frame's scene (the agent's and the "
+        "block's place, the block's angle) from the DiT's last hidden states, and add this "
+        "times its squared error (positions in [-1, 1], the angle as cosine and sine) to the "
+        "loss, so that the network must carry the block's pose. The log's state_block_units "
+        "and state_angle_degrees are the probe's block errors on frames denoised from pure "
+        "noise. Needs data recorded with states.npy (since 2026-12-06); not with "
+        "--rollout-share. The probe is kept in the checkpoint, not in the exported weights "
+        "(default 0: none; docs/pusht.md)",
+    )
+    group.add_argument(
         "--clip-chunks",
         type=int,
         metavar="K",
@@ -309,6 +322,7 @@ def _configs(args: argparse.Namespace):
         seed=args.seed,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
+        state_weight=args.state_weight,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **_rollout_options(args),
@@ -325,6 +339,7 @@ def _configs(args: argparse.Namespace):
         checkpoint_every=2,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
+        state_weight=args.state_weight,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
@@ -358,6 +373,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
     for name in (
         "change_weight",
         "block_weight",
+        "state_weight",
         "rollout_max_mismatch",
         "adversarial_weight",
         "adversarial_start",

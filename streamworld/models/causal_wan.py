@@ -620,8 +620,10 @@ class CausalWanDiT(nn.Module):
         frame_mask: torch.Tensor,
         latent_actions: torch.Tensor | None = None,
         max_position: int | None = None,
-    ) -> torch.Tensor:
-        """Flow [B, C, T, h, w] for frames with explicit temporal positions and frame mask.
+        with_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Flow [B, C, T, h, w] for frames with explicit temporal positions and frame mask;
+        with `with_hidden`, (flow, the last block's hidden states [B, T * P, D]).
 
         positions [T]: each frame's temporal RoPE position; frame_mask [T, T] bool: query
         frame i attends to key frame j. Training uses it to put a clean (or noisy) copy of the
@@ -650,7 +652,8 @@ class CausalWanDiT(nn.Module):
             text_k = text.keys[index].unsqueeze(0).expand(b, -1, -1, -1)
             text_v = text.values[index].unsqueeze(0).expand(b, -1, -1, -1)
             act.hidden = self._block(index, act, attend, text_k, text_v)
-        return self.head(act)
+        flow = self.head(act)
+        return (flow, act.hidden) if with_hidden else flow
 
     # --- one transformer block ------------------------------------------------------------
     def _block(

@@ -8,7 +8,9 @@ episode can be regenerated alone. Evaluation uses seeds below `TRAIN_SEED_BASE`,
 never share an initial state.
 
 On disk a data set is a folder with `frames.npy` (uint8 [E, T + 1, S, S, 3]), `actions.npy`
-(float32 [E, T, 2], world units; action t takes frame t to frame t + 1) and `meta.json`.
+(float32 [E, T, 2], world units; action t takes frame t to frame t + 1), `states.npy`
+(float32 [E, T + 1, 5]: each frame's scene, the agent's x, y and the block's x, y, angle, in
+world units and radians; data sets recorded before it have none) and `meta.json`.
 """
 
 from __future__ import annotations
@@ -58,8 +60,9 @@ def record_episode(
     size: int,
     push_share: float = PUSH_SHARE,
     jump_share: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32) of one episode."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32, scenes
+    [steps + 1, 5] float32 (`scene_row`)) of one episode."""
     from .policy import ScriptedPolicy
     from .world import PushTWorld
 
@@ -67,19 +70,26 @@ def record_episode(
     policy = ScriptedPolicy(policy_seed, push_share, jump_share)
     frames = np.empty((steps + 1, size, size, 3), np.uint8)
     actions = np.empty((steps, 2), np.float32)
+    states = np.empty((steps + 1, 5), np.float32)
     frames[0] = world.reset(env_seed)
+    states[0] = scene_row(world.scene)
     for t in range(steps):
         actions[t] = policy(world.scene)
         frames[t + 1] = world.step(actions[t])
+        states[t + 1] = scene_row(world.scene)
     world.close()
-    return frames, actions
+    return frames, actions, states
 
 
-def _record(args: tuple[int, DatasetSpec]) -> tuple[int, np.ndarray, np.ndarray]:
+def scene_row(scene) -> list[float]:
+    """A `world.Scene` as one row of `states.npy`: agent x, y, block x, y, angle."""
+    return [*scene.agent, *scene.block]
+
+
+def _record(args: tuple[int, DatasetSpec]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     index, spec = args
     seed = spec.episode_seed(index)
-    frames, actions = record_episode(seed, seed, spec.steps, spec.size, spec.push_share, spec.jump_share)
-    return index, frames, actions
+    return index, *record_episode(seed, seed, spec.steps, spec.size, spec.push_share, spec.jump_share)
 
 
 def generate_dataset(
@@ -97,6 +107,7 @@ def generate_dataset(
         shape=(spec.episodes, spec.steps + 1, spec.size, spec.size, 3),
     )
     actions = np.empty((spec.episodes, spec.steps, 2), np.float32)
+    states = np.empty((spec.episodes, spec.steps + 1, 5), np.float32)
     workers = workers or max(1, min(os.cpu_count() or 1, 32))
     start = time.perf_counter()
     jobs = [(i, spec) for i in range(spec.episodes)]
@@ -108,9 +119,10 @@ def generate_dataset(
         pool = mp.get_context("spawn").Pool(workers)
         results = pool.imap_unordered(_record, jobs, chunksize=4)
     try:
-        for index, f, a in results:
+        for index, f, a, st in results:
             frames[index] = f
             actions[index] = a
+            states[index] = st
             bar.update()
     finally:
         bar.close()
@@ -120,6 +132,7 @@ def generate_dataset(
     frames.flush()
     del frames
     np.save(out / "actions.npy", actions)
+    np.save(out / "states.npy", states)
     os.replace(out / "frames.npy.partial", out / "frames.npy")
     meta = {**asdict(spec), "seconds": round(time.perf_counter() - start, 1), "seed_base": TRAIN_SEED_BASE}
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -131,6 +144,7 @@ class Dataset:
     frames: np.ndarray  # uint8 [E, T + 1, S, S, 3] (memory-mapped)
     actions: np.ndarray  # float32 [E, T, 2]
     spec: DatasetSpec
+    states: np.ndarray | None = None  # float32 [E, T + 1, 5] (`scene_row`); None if not recorded
 
     @classmethod
     def load(cls, folder: str | Path) -> Dataset:
@@ -152,4 +166,9 @@ class Dataset:
             2,
         ):
             raise ValueError(f"{folder}: array shapes {frames.shape}, {actions.shape} do not match meta.json")
-        return cls(frames, actions, spec)
+        states = np.load(folder / "states.npy") if (folder / "states.npy").is_file() else None
+        if states is not None and states.shape != (spec.episodes, spec.steps + 1, 5):
+            raise ValueError(
+                f"{folder}: states.npy is {states.shape}, not {(spec.episodes, spec.steps + 1, 5)}"
+            )
+        return cls(frames, actions, spec, states)

@@ -34,6 +34,12 @@ itself. What the context copy holds decides which KV mode a sample trains for:
   true frames, gradients flowing back through the whole rollout. This is an objective over
   rollouts, where the other regimes train one chunk at a time on a given context.
 
+With `state_weight`, a small probe (`state_probe.py`) reads each trained frame's recorded
+scene (the agent's and the block's place, the block's angle) from the DiT's last hidden
+states, and its squared error joins the loss: the network has to carry the block's pose,
+which the pixel loss alone asks little of. The probe is trained and checkpointed, not
+exported.
+
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
 only the last chunk, whose window is full, is trained: it stands for the steady state where
@@ -85,6 +91,7 @@ from .adversarial import (
 )
 from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
+from .state_probe import StateProbe, state_errors, state_targets
 from .world import block_mask
 
 REGIMES = ("clean", "final", "noisy")
@@ -150,6 +157,11 @@ class TrainConfig:
     # and 21 (docs/pusht.md) jumped from round 19's 0.0007-0.004 to 0.2-1.2 as the term joined,
     # and lost the discriminator.
     adversarial_max_scale: float = ADAPTIVE_WEIGHT_CAP
+    # The weight of the state probe's squared error in the loss (`state_probe.py`): the probe
+    # reads each trained frame's recorded scene (the agent's and the block's place, the
+    # block's angle) from the DiT's last hidden states. 0 trains no probe. Needs a data set
+    # with `states.npy`; the unrolled share and rollouts are not probed.
+    state_weight: float = 0.0
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -306,6 +318,10 @@ def check_unroll(cfg: TrainConfig) -> None:
             if getattr(cfg, name) != getattr(TrainConfig, name):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} applies to the adversarial term: give --adversarial-weight too")
+    if not 0 <= cfg.state_weight < math.inf:
+        raise ValueError(f"--state-weight must be finite and at least 0, got {cfg.state_weight}")
+    if cfg.state_weight and cfg.rollout_share > 0:
+        raise ValueError("--state-weight and --rollout-share (rollout_share) cannot be combined: choose one")
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
@@ -407,6 +423,8 @@ class ClipBatcher:
             )
         self.frames = torch.from_numpy(np.array(data.frames)).to(device)  # uint8 [E, T+1, S, S, 3]
         self.actions = torch.from_numpy(data.actions).to(device)  # [E, T, 2]
+        # The recorded scenes [E, T+1, 5], where the data set has them (`data.py`).
+        self.states = None if data.states is None else torch.from_numpy(data.states).to(device)
         self.device = device
         self.gen = generator
         self.start_share = start_share
@@ -427,7 +445,10 @@ class ClipBatcher:
         frames = frames_from_uint8(torch.cat([sink, clip], 1))  # [B, 3, 1+L, S, S]
         actions = self.actions[episodes[:, None], index - 1]  # action that produced each clip frame
         loss_chunks = at_start[:, None] | self.full_window[None, :] | self.stream_clips  # [B, chunks]
-        return {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
+        batch = {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
+        if self.states is not None:
+            batch["states"] = self.states[episodes[:, None], index]  # each clip frame's scene
+        return batch
 
 
 def own_process_group() -> None:
@@ -782,12 +803,13 @@ class Trainer:
         self._forward = (
             torch.compile(self.dit.forward_masked) if train_config.compile else self.dit.forward_masked
         )
-        self.opt = self._optimizer()
         self.step = 0
         self.gen = torch.Generator(device=self.device).manual_seed(train_config.seed)
         self.batcher = ClipBatcher(
             data, model_config, self.device, self.gen, train_config.start_share, train_config.clip_chunks
         )
+        self.probe = self._state_probe()
+        self.opt = self._optimizer()
         self.rollouts = self._rollout_context()
         # The unrolled sampler's part of the layout for each chunk (`unrolled`): stream clips only.
         self.unroll_cuts = (
@@ -828,10 +850,28 @@ class Trainer:
             max_mismatch=cfg.rollout_max_mismatch,
         )
 
+    def _state_probe(self) -> StateProbe | None:
+        """The state probe (`state_weight`), from the run's seed, on the training device."""
+        if not self.cfg.state_weight:
+            return None
+        if self.batcher.states is None:
+            raise ValueError(
+                "--state-weight needs the recorded scenes (states.npy), which this data set was "
+                "recorded without: record it again into a new --data folder"
+            )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.cfg.seed)
+            probe = StateProbe(self.dit.dim, self.dit.tokens_per_frame)
+        return probe.to(self.device).train()
+
     def _optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the DiT, with no weight decay on vectors, norms and tables."""
+        """AdamW over the DiT (and the state probe), with no weight decay on vectors, norms
+        and tables."""
         decay, no_decay = [], []
-        for name, p in self.dit.named_parameters():
+        named = list(self.dit.named_parameters())
+        if self.probe is not None:
+            named += [(f"probe.{name}", p) for name, p in self.probe.named_parameters()]
+        for name, p in named:
             (no_decay if p.ndim < 2 or "norm" in name or "table" in name else decay).append(p)
         return torch.optim.AdamW(
             [
@@ -874,6 +914,13 @@ class Trainer:
         if self.disc is not None:
             self.disc.load_state_dict(state["disc"])
             self.disc_opt.load_state_dict(state["disc_opt"])
+        if (self.probe is not None) != ("probe" in state):  # a checkpoint from before the setting
+            raise ValueError(
+                f"{self.checkpoint_path} was trained {'without' if self.probe else 'with'} a state probe "
+                "(--state-weight); use another --workdir, with --init set to its exported weights"
+            )
+        if self.probe is not None:
+            self.probe.load_state_dict(state["probe"])
         self.step = state["step"]
         self.history = state.get("history", [])
         self.gen.set_state(state["rng"].cpu())
@@ -893,6 +940,8 @@ class Trainer:
         if self.disc is not None:
             state["disc"] = self.disc.state_dict()
             state["disc_opt"] = self.disc_opt.state_dict()
+        if self.probe is not None:
+            state["probe"] = self.probe.state_dict()
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(state, tmp)
         tmp.replace(self.checkpoint_path)
@@ -968,7 +1017,7 @@ class Trainer:
         latent_actions = torch.cat([zero, actions, actions], 1)
         text = self.dit.prepare_text(self.text_zeros)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            flow = self._forward(
+            out = self._forward(
                 latents,
                 timesteps,
                 text,
@@ -976,7 +1025,9 @@ class Trainer:
                 self.batcher.frame_mask,
                 latent_actions,
                 max_position=self.batcher.max_position,
+                with_hidden=self.probe is not None,
             )
+        flow, hidden = out if self.probe is not None else (out, None)
         pred = flow[:, :, sinks + n :].float()
         target = training_target(self.mcfg, x0, noise, sink, x0_ctx)
         err = self._weighted_error(pred, target, frames)  # [B, L]
@@ -984,7 +1035,14 @@ class Trainer:
         loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
         with torch.no_grad():
             per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-        return loss, _regime_losses(per_sample, regime, own)
+        stats = _regime_losses(per_sample, regime, own)
+        if hidden is not None:
+            p = self.dit.tokens_per_frame
+            probed = self.probe(hidden[:, (sinks + n) * p :])  # the trained frames' [B, L, STATE_DIM]
+            state_loss, more = state_loss_and_stats(probed, batch["states"], mask, sigma_f)
+            loss = loss + self.cfg.state_weight * state_loss
+            stats.update(more)
+        return loss, stats
 
     def unrolled(self, frames: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """The one-step `clean` sampler unrolled over stream clips, differentiably: clean
@@ -1267,6 +1325,26 @@ def _regime_losses(per_sample: torch.Tensor, regime: torch.Tensor, own: torch.Te
     if own.any():
         stats["loss_rollout"] = float(per_sample[own].mean())
     return stats
+
+
+def state_loss_and_stats(
+    probed: torch.Tensor, scenes: torch.Tensor, mask: torch.Tensor, sigma: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The state probe's squared error over the trained frames (`mask` [B, L] > 0) from its
+    predictions [B, L, STATE_DIM] and the recorded scenes [B, L, 5], and for the log its
+    block errors (world units, degrees) on the frames denoised from pure noise (`sigma` [B, L]
+    1), which is what the one-step sampler predicts from: the context and the actions alone."""
+    target = state_targets(scenes.float())
+    err = (probed - target).pow(2).mean(-1)
+    loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
+    stats = {"loss_state": float(loss.detach())}
+    with torch.no_grad():
+        pure = (mask > 0) & (sigma >= 1.0)
+        if pure.any():
+            position, angle = state_errors(probed[pure], target[pure])
+            stats["state_block_units"] = float(position.mean())
+            stats["state_angle_degrees"] = float(angle.mean())
+    return loss, stats
 
 
 def _mean(rows: list[dict]) -> dict[str, float]:

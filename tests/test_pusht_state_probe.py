@@ -1,0 +1,148 @@
+"""The recorded scenes and the state probe of `train pusht --state-weight`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from streamworld.models.presets import PUSHT
+from streamworld.pusht.train import smoke_config
+
+
+@pytest.fixture(scope="module")
+def data_12(tmp_path_factory):
+    from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset
+
+    folder = tmp_path_factory.mktemp("pusht-data-states")
+    generate_dataset(DatasetSpec(episodes=2, steps=12, size=64, seed=7), folder, workers=1, progress=False)
+    return Dataset.load(folder)
+
+
+def test_the_recorded_scenes_are_the_worlds_scenes_frame_by_frame(data_12):
+    """Each row of states.npy is the scene of the frame beside it: replaying the episode's
+    actions in the environment gives the same scenes, and the same frames."""
+    from streamworld.pusht.data import scene_row
+    from streamworld.pusht.world import PushTWorld
+
+    assert data_12.states.shape == (2, 13, 5) and data_12.states.dtype == np.float32
+    for episode in range(2):
+        world = PushTWorld(64)
+        frame = world.reset(data_12.spec.episode_seed(episode))
+        rows = [scene_row(world.scene)]
+        assert np.array_equal(frame, data_12.frames[episode, 0])
+        for action in data_12.actions[episode]:
+            world.step(action)
+            rows.append(scene_row(world.scene))
+        world.close()
+        np.testing.assert_allclose(data_12.states[episode], np.array(rows, np.float32), rtol=0, atol=1e-3)
+    # the block moves in at least one of the episodes' frames, or the check above says little
+    assert np.abs(np.diff(data_12.states[:, :, :2], axis=1)).max() > 1.0
+
+
+def test_a_data_set_recorded_without_scenes_loads_without_them_and_bad_ones_are_refused(data_12, tmp_path):
+    import shutil
+
+    from streamworld.pusht.data import Dataset
+
+    folder = tmp_path / "old"
+    shutil.copytree(Path(data_12.frames.filename).parent, folder)
+    (folder / "states.npy").unlink()
+    assert Dataset.load(folder).states is None
+    np.save(folder / "states.npy", np.zeros((2, 12, 5), np.float32))
+    with pytest.raises(ValueError, match=r"states\.npy is"):
+        Dataset.load(folder)
+
+
+def test_state_targets_and_errors():
+    from streamworld.pusht.state_probe import state_errors, state_targets
+
+    scenes = torch.tensor([[0.0, 512.0, 256.0, 128.0, math.radians(179.0)]])
+    target = state_targets(scenes)
+    turn = math.radians(179)
+    assert torch.allclose(target, torch.tensor([[-1.0, 1.0, 0.0, -0.5, math.cos(turn), math.sin(turn)]]))
+    moved = state_targets(torch.tensor([[0.0, 512.0, 259.0, 132.0, math.radians(-179.0)]]))
+    position, angle = state_errors(moved, target)
+    assert position.item() == pytest.approx(5.0, abs=1e-4)  # world units, across the wrap
+    assert angle.item() == pytest.approx(2.0, abs=1e-3)  # degrees, across the wrap
+
+
+def _trainer(data, tmp_path, name, **overrides):
+    from streamworld.pusht.train import TrainConfig, Trainer
+
+    config = TrainConfig(**{"batch_size": 4, "clip_chunks": 2, "seed": 3, **overrides})
+    return Trainer(smoke_config(PUSHT).with_prediction("delta"), config, data, tmp_path / name, "cpu")
+
+
+def test_the_state_term_adds_the_probes_error_on_the_trained_frames_scenes(data_12, tmp_path):
+    """Same batch, same draws: the loss with the probe is the pixel loss plus the weight
+    times the probe's squared error against the clip frames' recorded scenes, which the
+    batch carries; other scenes change that error alone, and its gradient reaches the DiT."""
+    plain = _trainer(data_12, tmp_path, "plain")
+    probed = _trainer(data_12, tmp_path, "probed", state_weight=0.5)
+    probed.dit.load_state_dict(plain.dit.state_dict())
+    batch = plain.batcher.sample(4)
+    assert batch["states"].shape == (4, plain.batcher.clip, 5)
+    seed = plain.gen.get_state()
+    pixel, _ = plain.loss(batch)
+    probed.gen.set_state(seed)
+    total, stats = probed.loss(batch)
+    assert stats["loss_state"] > 0.01
+    assert total.item() == pytest.approx(pixel.item() + 0.5 * stats["loss_state"], rel=1e-5)
+    moved = {**batch, "states": batch["states"] + torch.tensor([0.0, 0.0, 64.0, 0.0, 0.0])}
+    probed.gen.set_state(seed)
+    other, other_stats = probed.loss(moved)
+    assert other_stats["loss_state"] != pytest.approx(stats["loss_state"], rel=1e-3)
+    assert other.item() == pytest.approx(pixel.item() + 0.5 * other_stats["loss_state"], rel=1e-5)
+    total.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in probed.dit.parameters())
+    assert all(p.grad is not None for p in probed.probe.parameters())
+
+
+def test_the_probe_learns_the_scenes_and_trains_with_the_dit(data_12, tmp_path):
+    """A few steps on two episodes: the probe's error falls well below where it starts, and
+    the log has its block errors on the frames denoised from pure noise."""
+    trainer = _trainer(data_12, tmp_path, "learn", state_weight=1.0, lr=1e-3, warmup_steps=1, total_steps=16)
+    rows = [trainer.train_step() for _ in range(16)]
+    first = np.mean([r["loss_state"] for r in rows[:3]])
+    last = np.mean([r["loss_state"] for r in rows[-3:]])
+    assert last < 0.5 * first
+    logged = [r for r in rows if "state_block_units" in r]
+    assert logged
+    assert all(r["state_block_units"] >= 0 and 0 <= r["state_angle_degrees"] <= 180 for r in logged)
+
+
+def test_a_resumed_run_keeps_its_probe_and_a_checkpoint_without_one_is_refused(data_12, tmp_path):
+    trainer = _trainer(data_12, tmp_path, "run", state_weight=0.5)
+    trainer.train_step()
+    trainer.save_checkpoint()
+    resumed = _trainer(data_12, tmp_path, "run", state_weight=0.5)
+    assert resumed.step == 1
+    for key, value in trainer.probe.state_dict().items():
+        assert torch.equal(resumed.probe.state_dict()[key], value), key
+    # exported weights hold the DiT alone
+    import safetensors.torch
+
+    exported = safetensors.torch.load_file(str(trainer.export(tmp_path / "w.safetensors")))
+    assert not any("probe" in key or "narrow" in key for key in exported)
+    # a checkpoint from before the setting holds no probe to resume
+    state = torch.load(trainer.checkpoint_path, weights_only=True)
+    del state["train_config"]["state_weight"], state["probe"]
+    torch.save(state, trainer.checkpoint_path)
+    with pytest.raises(ValueError, match="without a state probe"):
+        _trainer(data_12, tmp_path, "run", state_weight=0.5)
+
+
+def test_the_state_weight_is_refused_where_it_cannot_run(data_12, tmp_path):
+    from streamworld.pusht.data import Dataset
+
+    with pytest.raises(ValueError, match="--state-weight must be"):
+        _trainer(data_12, tmp_path, "neg", state_weight=-1.0)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        _trainer(data_12, tmp_path, "roll", state_weight=1.0, rollout_share=0.5)
+    without = Dataset(data_12.frames, data_12.actions, data_12.spec)
+    with pytest.raises(ValueError, match=r"states\.npy"):
+        _trainer(without, tmp_path, "nostates", state_weight=1.0)

@@ -126,8 +126,15 @@ def test_a_resumed_run_keeps_its_probe_and_a_checkpoint_without_one_is_refused(d
     # exported weights hold the DiT alone
     import safetensors.torch
 
+    from streamworld.pusht.train import state_probe_path
+
     exported = safetensors.torch.load_file(str(trainer.export(tmp_path / "w.safetensors")))
     assert not any("probe" in key or "narrow" in key for key in exported)
+    # the probe is exported beside them, as trained
+    probe = safetensors.torch.load_file(str(state_probe_path(tmp_path / "w.safetensors")))
+    assert state_probe_path(tmp_path / "w.safetensors").name == "w.state-probe.safetensors"
+    assert probe.keys() == trainer.probe.state_dict().keys()
+    assert all(torch.equal(probe[k], v) for k, v in trainer.probe.state_dict().items())
     # a checkpoint from before the setting holds no probe to resume
     state = torch.load(trainer.checkpoint_path, weights_only=True)
     del state["train_config"]["state_weight"], state["probe"]

@@ -150,8 +150,8 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "loss, so that the network must carry the block's pose. The log's state_block_units "
         "and state_angle_degrees are the probe's block errors on frames denoised from pure "
         "noise. Needs data recorded with states.npy (since 2026-12-06); not with "
-        "--rollout-share. The probe is kept in the checkpoint, not in the exported weights "
-        "(default 0: none; docs/pusht.md)",
+        "--rollout-share. The probe is kept in the checkpoint and exported beside the weights, as "
+        "NAME.state-probe.safetensors; the weights alone serve as before (default 0: none; docs/pusht.md)",
     )
     group.add_argument(
         "--clip-chunks",

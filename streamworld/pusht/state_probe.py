@@ -5,7 +5,8 @@
 DiT's hidden states have to hold where the block and the agent will be and which way the
 block points, which the pixel loss asks for only weakly: a blurred T costs it little more
 than a sharp one at a slightly wrong angle. Only the training uses the probe; it is kept
-in the training checkpoint and not in the exported weights, so serving is unchanged.
+in the training checkpoint and exported beside the weights (`train.state_probe_path`),
+which serve as before without it.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ itself. What the context copy holds decides which KV mode a sample trains for:
 With `state_weight`, a small probe (`state_probe.py`) reads each trained frame's recorded
 scene (the agent's and the block's place, the block's angle) from the DiT's last hidden
 states, and its squared error joins the loss: the network has to carry the block's pose,
-which the pixel loss alone asks little of. The probe is trained and checkpointed, not
-exported.
+which the pixel loss alone asks little of. The probe is trained, checkpointed and
+exported beside the weights (`state_probe_path`).
 
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
@@ -962,9 +962,10 @@ class Trainer:
             "step": str(self.step),
             "train_config": json.dumps(asdict(self.cfg)),
         }
-        tmp = path.with_name(path.name + ".tmp")  # a run stopped mid-write leaves no half file
-        safetensors.torch.save_file(out, str(tmp), metadata=meta)
-        tmp.replace(path)
+        _save_whole(out, path, meta)
+        if self.probe is not None:
+            probe = {k: v.detach().to("cpu").contiguous() for k, v in self.probe.state_dict().items()}
+            _save_whole(probe, state_probe_path(path), {"step": str(self.step), "model": self.mcfg.id})
         return path
 
     # --- one step ---------------------------------------------------------------------
@@ -1325,6 +1326,18 @@ def _regime_losses(per_sample: torch.Tensor, regime: torch.Tensor, own: torch.Te
     if own.any():
         stats["loss_rollout"] = float(per_sample[own].mean())
     return stats
+
+
+def _save_whole(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")  # a run stopped mid-write leaves no half file
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def state_probe_path(weights: str | Path) -> Path:
+    """Where `Trainer.export` writes the state probe beside the weights at `weights`."""
+    weights = Path(weights)
+    return weights.with_name(weights.name.removesuffix(".safetensors") + ".state-probe.safetensors")
 
 
 def state_loss_and_stats(

@@ -149,9 +149,10 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "times its squared error (positions in [-1, 1], the angle as cosine and sine) to the "
         "loss, so that the network must carry the block's pose. The log's state_block_units "
         "and state_angle_degrees are the probe's block errors on frames denoised from pure "
-        "noise. Needs data recorded with states.npy (since 2026-12-06); not with "
-        "--rollout-share. The probe is kept in the checkpoint and exported beside the weights, as "
-        "NAME.state-probe.safetensors; the weights alone serve as before (default 0: none; docs/pusht.md)",
+        "noise after a true clean context, as one step in clean mode predicts them. Needs data "
+        "recorded with states.npy (since 2026-12-06); not with --rollout-share. The probe is "
+        "kept in the checkpoint and exported beside the weights, as NAME.state-probe.safetensors; "
+        "the weights alone serve as before (default 0: none; docs/pusht.md)",
     )
     group.add_argument(
         "--clip-chunks",

@@ -1040,7 +1040,8 @@ class Trainer:
         if hidden is not None:
             p = self.dit.tokens_per_frame
             probed = self.probe(hidden[:, (sinks + n) * p :])  # the trained frames' [B, L, STATE_DIM]
-            state_loss, more = state_loss_and_stats(probed, batch["states"], mask, sigma_f)
+            clean = (regime == 0)[:, None] & (sigma_f >= 1.0)  # as the one-step `clean` sampler serves
+            state_loss, more = state_loss_and_stats(probed, batch["states"], mask, clean)
             loss = loss + self.cfg.state_weight * state_loss
             stats.update(more)
         return loss, stats
@@ -1341,20 +1342,21 @@ def state_probe_path(weights: str | Path) -> Path:
 
 
 def state_loss_and_stats(
-    probed: torch.Tensor, scenes: torch.Tensor, mask: torch.Tensor, sigma: torch.Tensor
+    probed: torch.Tensor, scenes: torch.Tensor, mask: torch.Tensor, served: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The state probe's squared error over the trained frames (`mask` [B, L] > 0) from its
     predictions [B, L, STATE_DIM] and the recorded scenes [B, L, 5], and for the log its
-    block errors (world units, degrees) on the frames denoised from pure noise (`sigma` [B, L]
-    1), which is what the one-step sampler predicts from: the context and the actions alone."""
+    block errors (world units, degrees) on the frames of `served` [B, L] (bool): those
+    denoised from pure noise after a true clean context, as the one-step `clean` sampler
+    predicts a chunk one ahead of the true past, from the context and the actions alone."""
     target = state_targets(scenes.float())
     err = (probed - target).pow(2).mean(-1)
     loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
     stats = {"loss_state": float(loss.detach())}
     with torch.no_grad():
-        pure = (mask > 0) & (sigma >= 1.0)
-        if pure.any():
-            position, angle = state_errors(probed[pure], target[pure])
+        served = (mask > 0) & served
+        if served.any():
+            position, angle = state_errors(probed[served], target[served])
             stats["state_block_units"] = float(position.mean())
             stats["state_angle_degrees"] = float(angle.mean())
     return loss, stats

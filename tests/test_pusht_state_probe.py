@@ -153,3 +153,20 @@ def test_the_state_weight_is_refused_where_it_cannot_run(data_12, tmp_path):
     without = Dataset(data_12.frames, data_12.actions, data_12.spec)
     with pytest.raises(ValueError, match=r"states\.npy"):
         _trainer(without, tmp_path, "nostates", state_weight=1.0)
+
+
+def test_the_logged_block_errors_count_only_the_served_frames_and_the_loss_only_the_trained():
+    from streamworld.pusht.state_probe import state_targets
+    from streamworld.pusht.train import state_loss_and_stats
+
+    scenes = torch.tensor([[[100.0, 100.0, 256.0, 256.0, 0.0]] * 3])  # [1, 3, 5]
+    probed = state_targets(scenes).clone()
+    probed[0, 1, 2] += 8.0 / 256.0  # frame 1: the block 8 world units off
+    probed[0, 2, 2] += 80.0 / 256.0  # frame 2: 80 units off, but not trained
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = state_loss_and_stats(probed, scenes, mask, torch.tensor([[False, True, True]]))
+    assert stats["state_block_units"] == pytest.approx(8.0, abs=1e-4)
+    assert stats["state_angle_degrees"] == pytest.approx(0.0, abs=1e-3)
+    assert loss.item() == pytest.approx((8.0 / 256.0) ** 2 / 6 / 2, rel=1e-4)
+    _, none = state_loss_and_stats(probed, scenes, mask, torch.tensor([[False, False, True]]))
+    assert "state_block_units" not in none

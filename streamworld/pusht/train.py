@@ -773,6 +773,17 @@ def _load_init(model: WorldModel, init: str | Path) -> None:
     load_into(model.dit, state, what=f"--init {init}")
 
 
+class TeacherForced(NamedTuple):
+    """`Trainer.forward` of a batch of B clips of L frames."""
+
+    pred: torch.Tensor  # the model's output for the clips' frames [B, C, L, h, w]
+    target: torch.Tensor  # what it is trained to output [B, C, L, h, w]
+    regime: torch.Tensor  # [B] each clip's context: 0 clean, 1 final, 2 noisy
+    own: torch.Tensor  # [B] bool: the context is the model's own rollout
+    served: torch.Tensor  # [B, L] bool: denoised from pure noise after a true clean context
+    hidden: torch.Tensor | None  # with the state probe, the frames' last hidden states [B, L * P, D]
+
+
 class Trainer:
     def __init__(
         self,
@@ -979,6 +990,25 @@ class Trainer:
         return torch.where(pick, discrete, uniform)
 
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The teacher-forced loss of a batch (`forward`), with the state probe's term."""
+        out = self.forward(batch)
+        err = self._weighted_error(out.pred, out.target, batch["frames"])  # [B, L]
+        mask = batch["loss_chunks"].repeat_interleave(self.batcher.chunk, 1).float()
+        loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
+        with torch.no_grad():
+            per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        stats = _regime_losses(per_sample, out.regime, out.own)
+        if out.hidden is not None:
+            probed = self.probe(out.hidden)  # the trained frames' [B, L, STATE_DIM]
+            state_loss, more = state_loss_and_stats(probed, batch["states"], mask, out.served)
+            loss = loss + self.cfg.state_weight * state_loss
+            stats.update(more)
+        return loss, stats
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> TeacherForced:
+        """The training forward of a batch of clips, each in a context regime and at noise
+        levels drawn from the trainer's generator; with the state probe, also the trained
+        frames' last hidden states."""
         g, dev = self.gen, self.device
         frames, actions = batch["frames"], batch["actions"]
         b = frames.shape[0]
@@ -1029,22 +1059,14 @@ class Trainer:
                 with_hidden=self.probe is not None,
             )
         flow, hidden = out if self.probe is not None else (out, None)
-        pred = flow[:, :, sinks + n :].float()
-        target = training_target(self.mcfg, x0, noise, sink, x0_ctx)
-        err = self._weighted_error(pred, target, frames)  # [B, L]
-        mask = batch["loss_chunks"].repeat_interleave(chunk, 1).float()
-        loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
-        with torch.no_grad():
-            per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
-        stats = _regime_losses(per_sample, regime, own)
-        if hidden is not None:
-            p = self.dit.tokens_per_frame
-            probed = self.probe(hidden[:, (sinks + n) * p :])  # the trained frames' [B, L, STATE_DIM]
-            clean = (regime == 0)[:, None] & (sigma_f >= 1.0)  # as the one-step `clean` sampler serves
-            state_loss, more = state_loss_and_stats(probed, batch["states"], mask, clean)
-            loss = loss + self.cfg.state_weight * state_loss
-            stats.update(more)
-        return loss, stats
+        return TeacherForced(
+            pred=flow[:, :, sinks + n :].float(),
+            target=training_target(self.mcfg, x0, noise, sink, x0_ctx),
+            regime=regime,
+            own=own,
+            served=(regime == 0)[:, None] & (sigma_f >= 1.0),  # as the one-step `clean` sampler serves
+            hidden=None if hidden is None else hidden[:, (sinks + n) * self.dit.tokens_per_frame :],
+        )
 
     def unrolled(self, frames: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """The one-step `clean` sampler unrolled over stream clips, differentiably: clean

@@ -1,0 +1,80 @@
+"""benchmarks/state_probe_check.py: a state probe trained on a fixed model's hidden states."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "state_probe_check.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("state_probe_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_score_sets_the_probe_against_the_copy_of_the_frame_before_the_chunk():
+    """Two clips of two chunks of 2 frames; the block turns 1 degree a frame in the first,
+    and 10 in the second. A probe that reads the truth errs by nothing; the copy by the turn
+    since the frame before the second chunk, binned by it."""
+    from streamworld.pusht.state_probe import state_targets
+
+    bench = _bench()
+    scenes = torch.zeros(2, 4, 5)
+    scenes[..., :4] = 256.0
+    scenes[0, :, 4] = torch.deg2rad(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    scenes[1, :, 4] = torch.deg2rad(torch.tensor([0.0, 10.0, 20.0, 30.0]))
+    hidden = torch.zeros(2, 4, 1, 1)
+    truth = state_targets(scenes[:, 2:])
+
+    def reads_the_truth(h: torch.Tensor) -> torch.Tensor:
+        assert h.shape == (2, 2, 1)  # the second chunk's frames, tokens flattened
+        return truth
+
+    report = bench.score(reads_the_truth, hidden, scenes, chunk=2)
+    assert report["frames"] == 4
+    assert report["all"]["probe_angle_degrees"] == pytest.approx(0.0, abs=1e-3)
+    assert report["all"]["copy_angle_degrees"] == pytest.approx((1 + 2 + 10 + 20) / 4, abs=1e-3)
+    assert report["turn 0.5-2 degrees"]["frames"] == 1  # the 1-degree turn
+    assert report["turn 2-5 degrees"]["frames"] == 1
+    assert report["turn 5-180 degrees"]["frames"] == 2
+    assert report["turn 0-0.5 degrees"] == {"frames": 0}
+    assert report["all"]["copy_block_units"] == 0 and not math.isnan(report["all"]["probe_block_units"])
+
+
+def test_the_check_scores_a_probe_trained_on_cached_hidden_states(tmp_path):
+    bench = _bench()
+    out = tmp_path / "check.json"
+    argv = ["--smoke", "--episodes", "3", "--held-out", "1", "--steps-per-episode", "30", "--workers", "1"]
+    argv += ["--clips", "6", "--held-out-clips", "3", "--batch-size", "4", "--epochs", "4"]
+    argv += ["--json", str(out)]
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    held_out = report["held_out"]
+    assert held_out["frames"] == 3 * 4  # the second chunk's 4 frames of each held-out clip
+    bins = [v for k, v in held_out.items() if k.startswith("turn")]
+    assert sum(b["frames"] for b in bins) == held_out["frames"]
+    assert [row["epoch"] for row in report["history"]] == [1, 2, 3, 4]
+    assert report["history"][-1]["loss_state"] < report["history"][0]["loss_state"]
+    assert set(report["seconds"]) == {"data", "forwards", "probe"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--held-out", "5", "--episodes", "5"], "fewer than --episodes"),
+        (["--lr", "0"], "positive"),
+        (["--epochs", "0"], "at least 1"),
+    ],
+)
+def test_the_check_refuses_settings_it_cannot_run(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _bench().parse_args(["--smoke", *argv])
+    assert message in capsys.readouterr().err

@@ -111,7 +111,7 @@ def train_probe(args: argparse.Namespace, hidden: torch.Tensor, scenes: torch.Te
         total = 0.0
         for i in range(0, len(frames), args.probe_batch):
             pick = order[i : i + args.probe_batch]
-            pred = probe(frames[pick].float())
+            pred = probe(frames[pick].float())[:, 0]  # each row is one frame of P tokens
             loss = (pred - targets[pick]).pow(2).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -156,6 +156,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="pusht-delta", help="the model preset (default pusht-delta)")
     p.add_argument("--dit", type=Path, default=shipped, help="its weights (default: the shipped pusht-delta)")
     p.add_argument("--data", type=Path, help="a data set folder with states.npy (recorded there if empty)")
+    p.add_argument(
+        "--features",
+        type=Path,
+        help="a file of the model's hidden states and the scenes: read if it exists, written "
+        "after the forwards otherwise, so that another probe setting skips them",
+    )
     p.add_argument("--episodes", type=int, default=240, help="episodes recorded (default 240)")
     p.add_argument("--held-out", type=int, default=40, help="of them, the last ones scored (default 40)")
     p.add_argument("--steps-per-episode", type=int, default=150, help="(default 150)")
@@ -206,10 +212,18 @@ def main(argv: list[str] | None = None) -> int:
         train_data, held_out = split(data, args.held_out)
         model = fixed_model(args, train_data, Path(tmp) / "work")
         seconds = {"data": time.perf_counter() - start}
-        train_hidden, train_scenes = hidden_states(model, train_data, args.clips, args.batch_size, "clips")
-        test_hidden, test_scenes = hidden_states(
-            model, held_out, args.held_out_clips, args.batch_size, "held-out clips"
-        )
+        if args.features is not None and args.features.is_file():
+            features = torch.load(args.features, weights_only=True)
+        else:
+            features = {
+                "train": hidden_states(model, train_data, args.clips, args.batch_size, "clips"),
+                "held_out": hidden_states(
+                    model, held_out, args.held_out_clips, args.batch_size, "held-out clips"
+                ),
+            }
+            if args.features is not None:
+                torch.save(features, args.features)
+        (train_hidden, train_scenes), (test_hidden, test_scenes) = features["train"], features["held_out"]
         seconds["forwards"] = time.perf_counter() - start - sum(seconds.values())
         probe, history = train_probe(args, train_hidden, train_scenes)
         seconds["probe"] = time.perf_counter() - start - sum(seconds.values())

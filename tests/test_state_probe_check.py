@@ -66,6 +66,25 @@ def test_the_check_scores_a_probe_trained_on_cached_hidden_states(tmp_path):
     assert set(report["seconds"]) == {"data", "forwards", "probe"}
 
 
+def test_the_probe_learns_each_frame_from_its_own_hidden_states():
+    """Hidden states that hold each frame's scene (a fixed linear map of it, per frame):
+    the probe learns it to well below the scenes' own variance, which a probe that saw
+    every target in a batch for each frame would not go below."""
+    import argparse
+
+    from streamworld.pusht.state_probe import state_targets
+
+    bench = _bench()
+    gen = torch.Generator().manual_seed(0)
+    scenes = torch.rand(64, 4, 5, generator=gen) * torch.tensor([512.0, 512, 512, 512, 6.28])
+    mix = torch.randn(6, 4 * 8, generator=gen)
+    hidden = (state_targets(scenes) @ mix).unflatten(-1, (4, 8)).half()  # [N, F, P=4, D=8]
+    args = argparse.Namespace(epochs=40, probe_batch=32, lr=3e-3, seed=0)
+    _, history = bench.train_probe(args, hidden, scenes)
+    variance = state_targets(scenes).var(dim=(0, 1)).mean().item()
+    assert history[-1]["loss_state"] < 0.1 * variance
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

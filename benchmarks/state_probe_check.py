@@ -1,15 +1,18 @@
 """How much of the next chunk's scene do a fixed model's hidden states hold? A state probe
-(`train pusht --state-weight`) trained on them alone, on the CPU.
+(`streamworld.pusht.state_probe`) trained on them alone, on the CPU.
 
 The model stays fixed (default: the shipped `pusht-delta`). It runs once over stream
 clips of two chunks, each chunk denoised in one step from pure noise after its true clean
 context, as `--steps 1000 --kv-mode clean` predicts one chunk ahead of the true past, and
-its last hidden states of the clips' frames are kept. A `StateProbe` then trains on them
-for several epochs to read each frame's scene: the agent's and the block's place, the
-block's angle. It is scored on the clips of held-out episodes, on the second chunk's four
-frames, against copying the scene of the frame before the chunk.
+its last hidden states of the clips' frames are kept. A `StateProbe` then trains on the
+second chunk's four frames for several epochs to read how the scene changed since the
+frame before the chunk: how far the agent and the block moved and how far the block
+turned (`change_targets`). A model that predicts each chunk's change draws a still block
+as no change wherever it is, so the change, not the place, is what its hidden states
+must hold. The probe is scored on the clips of held-out episodes against no change at
+all, which is copying the frame before the chunk.
 
-If the probe places and turns the block better than the copy, the hidden states hold the
+If the probe moves and turns the block better than the copy, the hidden states hold the
 block's next pose, whatever the frames then draw of it; if not, the model does not know
 where the block goes. Reported: the probe's and the copy's block position error (world
 units) and angle error (degrees), split by how far the block truly turns since the frame
@@ -17,8 +20,8 @@ before the chunk.
 
     python benchmarks/state_probe_check.py --json state_probe_check.json
 
-On a 2-core CPU the defaults take about 15 minutes: 2 to record 240 episodes, 11 for the
-model's forwards over 1,920 clips (about a third of a second per clip), then the probe.
+On a 2-core CPU the defaults take about 16 minutes: 2 to record 240 episodes, 13 for the
+model's forwards over 1,920 clips (about 0.4 s per clip), then the probe.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 from streamworld.models import get_preset
 from streamworld.models.world_model import builtin_weights_path
 from streamworld.pusht.data import Dataset, DatasetSpec
-from streamworld.pusht.state_probe import StateProbe, state_errors, state_targets
+from streamworld.pusht.state_probe import CHANGE_SCALE, StateProbe, change_targets, state_errors
 from streamworld.pusht.train import ClipBatcher, TrainConfig, Trainer, prepare_data, smoke_config
 
 # The turn of the block since the frame before the chunk, in degrees: the report's bins.
@@ -94,14 +97,20 @@ def hidden_states(trainer: Trainer, data: Dataset, clips: int, batch_size: int, 
     return torch.cat(hidden), torch.cat(scenes)
 
 
-def train_probe(args: argparse.Namespace, hidden: torch.Tensor, scenes: torch.Tensor) -> tuple:
-    """A `StateProbe` trained on every frame of the cached clips for `--epochs` epochs;
-    (probe, logged rows)."""
+def second_chunk(hidden: torch.Tensor, scenes: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second chunk's hidden states [N, chunk, P, D] and its scenes' change since the
+    frame before it [N, chunk, STATE_DIM], from clips' [N, 2 * chunk, P, D] and [N, 2 * chunk, 5]."""
+    return hidden[:, chunk:], change_targets(scenes[:, chunk:], scenes[:, chunk - 1 : chunk])
+
+
+def train_probe(args: argparse.Namespace, hidden: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """A `StateProbe` trained on every frame [N, F, P, D] with its targets [N, F, STATE_DIM]
+    for `--epochs` epochs; (probe, logged rows)."""
     torch.manual_seed(args.seed)
     p, d = hidden.shape[2:]
     probe = StateProbe(d, p)
     frames = hidden.flatten(0, 1)
-    targets = state_targets(scenes.flatten(0, 1))
+    targets = targets.flatten(0, 1)
     steps = args.epochs * -(-len(frames) // args.probe_batch)
     opt = torch.optim.AdamW(probe.parameters(), lr=args.lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=steps)
@@ -117,20 +126,21 @@ def train_probe(args: argparse.Namespace, hidden: torch.Tensor, scenes: torch.Te
             loss.backward()
             opt.step()
             schedule.step()
-            total += float(loss) * len(pick)
+            total += float(loss.detach()) * len(pick)
         history.append({"epoch": epoch + 1, "loss_state": round(total / len(frames), 6)})
         print(f"epoch {epoch + 1:3d} probe loss {history[-1]['loss_state']:.6f}", flush=True)
     return probe.eval(), history
 
 
 @torch.no_grad()
-def score(probe: StateProbe, hidden: torch.Tensor, scenes: torch.Tensor, chunk: int) -> dict:
-    """The probe and the copy on the second chunk of the held-out clips, by turn."""
-    probed = probe(hidden[:, chunk:].float().flatten(1, 2))  # the second chunk's frames
-    truth = state_targets(scenes[:, chunk:])
-    before = state_targets(scenes[:, chunk - 1 : chunk]).expand_as(truth)  # the copy
-    probe_units, probe_degrees = state_errors(probed, truth)
-    copy_units, copy_degrees = state_errors(before, truth)
+def score(probe: StateProbe, hidden: torch.Tensor, truth: torch.Tensor) -> dict:
+    """The probe and the copy (no change) on held-out frames [N, F, P, D] whose true
+    change is `truth` [N, F, STATE_DIM], by how far the block truly turns."""
+    probed = probe(hidden.float().flatten(1, 2))
+    copy = torch.zeros_like(truth)
+    copy[..., 4] = 1.0  # no turn: cosine 1, sine 0
+    probe_units, probe_degrees = state_errors(probed, truth, CHANGE_SCALE)
+    copy_units, copy_degrees = state_errors(copy, truth, CHANGE_SCALE)
     errors = torch.stack([probe_units, probe_degrees, copy_units, copy_degrees], -1).flatten(0, 1)
     turn = errors[:, 3]  # the copy's angle error is how far the block truly turned
     report = {"frames": len(errors), "all": _means(errors)}
@@ -168,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clips", type=int, default=1536, help="clips the probe trains on (default 1536)")
     p.add_argument("--held-out-clips", type=int, default=384, help="held-out clips scored (default 384)")
     p.add_argument("--batch-size", type=int, default=32, help="clips per forward of the model (default 32)")
-    p.add_argument("--epochs", type=int, default=60, help="the probe's epochs (default 60)")
+    p.add_argument("--epochs", type=int, default=40, help="the probe's epochs (default 40)")
     p.add_argument("--probe-batch", type=int, default=256, help="frames per probe step (default 256)")
     p.add_argument("--lr", type=float, default=1e-3, help="the probe's peak learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
@@ -225,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.save(features, args.features)
         (train_hidden, train_scenes), (test_hidden, test_scenes) = features["train"], features["held_out"]
         seconds["forwards"] = time.perf_counter() - start - sum(seconds.values())
-        probe, history = train_probe(args, train_hidden, train_scenes)
+        chunk = model.batcher.chunk
+        probe, history = train_probe(args, *second_chunk(train_hidden, train_scenes, chunk))
         seconds["probe"] = time.perf_counter() - start - sum(seconds.values())
-        scores = score(probe, test_hidden, test_scenes, model.batcher.chunk)
+        scores = score(probe, *second_chunk(test_hidden, test_scenes, chunk))
     report = {
         "benchmark": "state_probe_check",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -69,8 +69,9 @@ def test_dataset_is_reproducible_and_episodes_regenerate_alone(tmp_path):
     generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
     data = Dataset.load(tmp_path / "d")
     assert data.frames.shape == (3, 13, 64, 64, 3) and data.actions.shape == (3, 12, 2)
-    frames, actions = record_episode(spec.episode_seed(2), spec.episode_seed(2), 12, 64)
+    frames, actions, states = record_episode(spec.episode_seed(2), spec.episode_seed(2), 12, 64)
     assert np.array_equal(data.frames[2], frames) and np.array_equal(data.actions[2], actions)
+    assert np.array_equal(data.states[2], states)
     assert np.all((data.actions >= 0) & (data.actions <= 512))
     # The actions move the agent: frames change over an episode.
     assert np.abs(data.frames[0, -1].astype(int) - data.frames[0, 0]).sum() > 0
@@ -81,8 +82,8 @@ def test_push_share_is_recorded_and_drives_the_controller(tmp_path):
     generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
     assert Dataset.load(tmp_path / "d").spec == spec
     # The share changes what the controller does: same seed, different moves.
-    _, actions_all = record_episode(7, 7, 30, 64, push_share=1.0)
-    _, actions_none = record_episode(7, 7, 30, 64, push_share=0.0)
+    _, actions_all, _ = record_episode(7, 7, 30, 64, push_share=1.0)
+    _, actions_none, _ = record_episode(7, 7, 30, 64, push_share=0.0)
     assert not np.allclose(actions_all, actions_none)
     with pytest.raises(ValueError, match="push_share"):
         DatasetSpec(episodes=1, steps=1, push_share=1.5)
@@ -95,8 +96,8 @@ def test_jump_share_holds_targets_that_jump_as_the_planner_does(tmp_path):
     spec = DatasetSpec(episodes=1, steps=24, size=64, seed=3, jump_share=1.0)
     generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
     assert Dataset.load(tmp_path / "d").spec == spec
-    _, jumping = record_episode(7, 7, 120, 64, jump_share=1.0)
-    _, walking = record_episode(7, 7, 120, 64)
+    _, jumping, _ = record_episode(7, 7, 120, 64, jump_share=1.0)
+    _, walking, _ = record_episode(7, 7, 120, 64)
     steps = np.linalg.norm(np.diff(jumping, axis=0), axis=1)
     assert steps.max() <= 160.0 + 10.0 and steps.max() > 60.0
     moved = np.flatnonzero(steps > 10.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -20,33 +19,34 @@ def _bench():
     return module
 
 
-def test_the_score_sets_the_probe_against_the_copy_of_the_frame_before_the_chunk():
+def test_the_score_sets_the_probe_against_no_change_since_the_frame_before_the_chunk():
     """Two clips of two chunks of 2 frames; the block turns 1 degree a frame in the first,
-    and 10 in the second. A probe that reads the truth errs by nothing; the copy by the turn
-    since the frame before the second chunk, binned by it."""
-    from streamworld.pusht.state_probe import state_targets
-
+    and 10 in the second, and moves 3 units a frame in the second. A probe that reads the
+    true change errs by nothing; the copy (no change) by the change since the frame before
+    the second chunk, binned by the turn."""
     bench = _bench()
     scenes = torch.zeros(2, 4, 5)
     scenes[..., :4] = 256.0
     scenes[0, :, 4] = torch.deg2rad(torch.tensor([0.0, 1.0, 2.0, 3.0]))
     scenes[1, :, 4] = torch.deg2rad(torch.tensor([0.0, 10.0, 20.0, 30.0]))
-    hidden = torch.zeros(2, 4, 1, 1)
-    truth = state_targets(scenes[:, 2:])
+    scenes[1, :, 2] = torch.tensor([256.0, 259.0, 262.0, 265.0])
+    hidden, truth = bench.second_chunk(torch.zeros(2, 4, 1, 1), scenes, chunk=2)
+    assert hidden.shape == (2, 2, 1, 1) and truth.shape == (2, 2, 6)
 
     def reads_the_truth(h: torch.Tensor) -> torch.Tensor:
         assert h.shape == (2, 2, 1)  # the second chunk's frames, tokens flattened
         return truth
 
-    report = bench.score(reads_the_truth, hidden, scenes, chunk=2)
+    report = bench.score(reads_the_truth, hidden, truth)
     assert report["frames"] == 4
     assert report["all"]["probe_angle_degrees"] == pytest.approx(0.0, abs=1e-3)
+    assert report["all"]["probe_block_units"] == pytest.approx(0.0, abs=1e-3)
     assert report["all"]["copy_angle_degrees"] == pytest.approx((1 + 2 + 10 + 20) / 4, abs=1e-3)
+    assert report["all"]["copy_block_units"] == pytest.approx((3 + 6) / 4, abs=1e-3)
     assert report["turn 0.5-2 degrees"]["frames"] == 1  # the 1-degree turn
     assert report["turn 2-5 degrees"]["frames"] == 1
     assert report["turn 5-180 degrees"]["frames"] == 2
     assert report["turn 0-0.5 degrees"] == {"frames": 0}
-    assert report["all"]["copy_block_units"] == 0 and not math.isnan(report["all"]["probe_block_units"])
 
 
 def test_the_check_scores_a_probe_trained_on_cached_hidden_states(tmp_path):
@@ -59,6 +59,7 @@ def test_the_check_scores_a_probe_trained_on_cached_hidden_states(tmp_path):
     report = json.loads(out.read_text())
     held_out = report["held_out"]
     assert held_out["frames"] == 3 * 4  # the second chunk's 4 frames of each held-out clip
+    assert held_out["all"]["copy_block_units"] >= 0
     bins = [v for k, v in held_out.items() if k.startswith("turn")]
     assert sum(b["frames"] for b in bins) == held_out["frames"]
     assert [row["epoch"] for row in report["history"]] == [1, 2, 3, 4]
@@ -77,11 +78,12 @@ def test_the_probe_learns_each_frame_from_its_own_hidden_states():
     bench = _bench()
     gen = torch.Generator().manual_seed(0)
     scenes = torch.rand(64, 4, 5, generator=gen) * torch.tensor([512.0, 512, 512, 512, 6.28])
+    targets = state_targets(scenes)
     mix = torch.randn(6, 4 * 8, generator=gen)
-    hidden = (state_targets(scenes) @ mix).unflatten(-1, (4, 8)).half()  # [N, F, P=4, D=8]
+    hidden = (targets @ mix).unflatten(-1, (4, 8)).half()  # [N, F, P=4, D=8]
     args = argparse.Namespace(epochs=40, probe_batch=32, lr=3e-3, seed=0)
-    _, history = bench.train_probe(args, hidden, scenes)
-    variance = state_targets(scenes).var(dim=(0, 1)).mean().item()
+    _, history = bench.train_probe(args, hidden, targets)
+    variance = targets.var(dim=(0, 1)).mean().item()
     assert history[-1]["loss_state"] < 0.1 * variance
 
 

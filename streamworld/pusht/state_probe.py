@@ -20,6 +20,7 @@ from torch import nn
 # world units [0, 512] to [-1, 1], then the cosine and sine of the block's angle.
 STATE_DIM = 6
 WORLD_HALF = 256.0
+CHANGE_SCALE = 32.0  # world units (4 px of the 64 px frame) per unit of `change_targets`
 
 
 def state_targets(scenes: torch.Tensor) -> torch.Tensor:
@@ -52,10 +53,24 @@ class StateProbe(nn.Module):
         return self.mlp(x.reshape(b, n // self.tokens_per_frame, -1))
 
 
-def state_errors(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def change_targets(scenes: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The change of scenes [..., 5] since `before` (broadcast against them) as targets
+    [..., STATE_DIM]: the positions' change over CHANGE_SCALE world units, then the cosine and
+    sine of the block's turn. A model that predicts each chunk's change (`delta`) draws a
+    still block as no change wherever it is, so its last hidden states need not hold where
+    the block is, only how it moves (`benchmarks/state_probe_check.py`)."""
+    change = scenes - before
+    turn = change[..., 4:5]
+    return torch.cat([change[..., :4] / CHANGE_SCALE, turn.cos(), turn.sin()], -1)
+
+
+def state_errors(
+    pred: torch.Tensor, target: torch.Tensor, scale: float = WORLD_HALF
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's position error (world units) and angle error (degrees, in [0, 180]) per
-    frame [...], from predictions and targets [..., STATE_DIM]."""
-    position = ((pred[..., 2:4] - target[..., 2:4]) * WORLD_HALF).norm(dim=-1)
+    frame [...], from predictions and targets [..., STATE_DIM] whose positions are in units
+    of `scale` world units (`state_targets`; CHANGE_SCALE for `change_targets`)."""
+    position = ((pred[..., 2:4] - target[..., 2:4]) * scale).norm(dim=-1)
     angle = torch.atan2(pred[..., 5], pred[..., 4]) - torch.atan2(target[..., 5], target[..., 4])
     angle = torch.remainder(angle + math.pi, 2 * math.pi) - math.pi
     return position, angle.abs() * (180.0 / math.pi)

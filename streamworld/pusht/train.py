@@ -917,19 +917,18 @@ class Trainer:
         self.dit.load_state_dict(state["dit"])
         self.ema = state["ema"]
         self.opt.load_state_dict(state["opt"])
-        if (self.disc is not None) != ("disc" in state):  # a checkpoint from before the setting
-            raise ValueError(
-                f"{self.checkpoint_path} was trained {'without' if self.disc else 'with'} a discriminator "
-                "(--adversarial-weight); use another --workdir, with --init set to its exported weights"
-            )
+        for key, part, what in (
+            ("disc", self.disc, "a discriminator (--adversarial-weight)"),
+            ("probe", self.probe, "a state probe (--state-weight)"),
+        ):
+            if (part is not None) != (key in state):  # a checkpoint from before the setting
+                raise ValueError(
+                    f"{self.checkpoint_path} was trained {'without' if part is not None else 'with'} "
+                    f"{what}; use another --workdir, with --init set to its exported weights"
+                )
         if self.disc is not None:
             self.disc.load_state_dict(state["disc"])
             self.disc_opt.load_state_dict(state["disc_opt"])
-        if (self.probe is not None) != ("probe" in state):  # a checkpoint from before the setting
-            raise ValueError(
-                f"{self.checkpoint_path} was trained {'without' if self.probe else 'with'} a state probe "
-                "(--state-weight); use another --workdir, with --init set to its exported weights"
-            )
         if self.probe is not None:
             self.probe.load_state_dict(state["probe"])
         self.step = state["step"]

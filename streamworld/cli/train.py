@@ -128,6 +128,31 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         default=100,
         help="steps averaged into each row of the logged history (default 100; a resume may change it)",
     )
+    _add_loss_weight_arguments(group)
+    group.add_argument(
+        "--clip-chunks",
+        type=int,
+        metavar="K",
+        help="chunks per training clip. Default: the attention window's chunks and one more (3), with "
+        "the episode's first frame as the sink, so that only the last chunk of a clip that starts late "
+        "is trained. Given, every clip is a stream of its own from the frame before it and every "
+        "chunk is trained exactly as served; K above 3 reaches the chunks after the window is full, "
+        "where the served sink moves up to the window (each step then costs more: longer clips). "
+        "With --rollout-share, each rollout is one such clip",
+    )
+    _add_rollout_arguments(parser)
+    group.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the training forward through torch.compile: fused kernels, the same losses up to "
+        "rounding; the first step compiles (45 s on an H200). Needs Triton on a GPU, a C++ compiler "
+        "on the CPU. The forwards of --unroll-share stay eager",
+    )
+    group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+
+
+def _add_loss_weight_arguments(group: argparse._ArgumentGroup) -> None:
+    """--change-weight, --block-weight, --state-weight: what the loss weighs beyond every pixel."""
     group.add_argument(
         "--change-weight",
         type=float,
@@ -155,26 +180,6 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "the weights alone serve as before. On pusht-delta, 0.1 and 1 made the frames and planning "
         "worse (round 23) (default 0: none; docs/pusht.md)",
     )
-    group.add_argument(
-        "--clip-chunks",
-        type=int,
-        metavar="K",
-        help="chunks per training clip. Default: the attention window's chunks and one more (3), with "
-        "the episode's first frame as the sink, so that only the last chunk of a clip that starts late "
-        "is trained. Given, every clip is a stream of its own from the frame before it and every "
-        "chunk is trained exactly as served; K above 3 reaches the chunks after the window is full, "
-        "where the served sink moves up to the window (each step then costs more: longer clips). "
-        "With --rollout-share, each rollout is one such clip",
-    )
-    _add_rollout_arguments(parser)
-    group.add_argument(
-        "--compile",
-        action="store_true",
-        help="run the training forward through torch.compile: fused kernels, the same losses up to "
-        "rounding; the first step compiles (45 s on an H200). Needs Triton on a GPU, a C++ compiler "
-        "on the CPU. The forwards of --unroll-share stay eager",
-    )
-    group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
 
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:

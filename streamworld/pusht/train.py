@@ -1040,7 +1040,30 @@ class Trainer:
             torch.zeros_like(sigma_f),
             torch.where((regime == 1)[:, None], last.expand_as(sigma_f), sigma_f),
         )
-        sinks = self.batcher.sinks
+        pred, hidden = self._layout_forward(sink, ctx, ctx_sigma, x_t, sigma_f, actions)
+        return TeacherForced(
+            pred=pred,
+            target=training_target(self.mcfg, x0, noise, sink, x0_ctx),
+            regime=regime,
+            own=own,
+            served=(regime == 0)[:, None] & (sigma_f >= 1.0),  # as the one-step `clean` sampler serves
+            hidden=hidden,
+        )
+
+    def _layout_forward(
+        self,
+        sink: torch.Tensor,
+        ctx: torch.Tensor,
+        ctx_sigma: torch.Tensor,
+        x_t: torch.Tensor,
+        sigma_f: torch.Tensor,
+        actions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The DiT over the clip layout `[sink copies | context copy | clip being denoised]`:
+        its output for the clip's frames [B, C, L, h, w] (float32) and, with the state probe,
+        their last hidden states [B, L * P, D] (else None)."""
+        b, dev = x_t.shape[0], self.device
+        sinks, n = self.batcher.sinks, self.batcher.clip
         latents = torch.cat([sink.expand(-1, -1, sinks, -1, -1), ctx, x_t], 2)
         timesteps = torch.cat([torch.zeros(b, sinks, device=dev), ctx_sigma, sigma_f], 1) * 1000.0
         zero = torch.zeros(b, sinks, actions.shape[-1], device=dev)
@@ -1058,14 +1081,9 @@ class Trainer:
                 with_hidden=self.probe is not None,
             )
         flow, hidden = out if self.probe is not None else (out, None)
-        return TeacherForced(
-            pred=flow[:, :, sinks + n :].float(),
-            target=training_target(self.mcfg, x0, noise, sink, x0_ctx),
-            regime=regime,
-            own=own,
-            served=(regime == 0)[:, None] & (sigma_f >= 1.0),  # as the one-step `clean` sampler serves
-            hidden=None if hidden is None else hidden[:, (sinks + n) * self.dit.tokens_per_frame :],
-        )
+        if hidden is not None:
+            hidden = hidden[:, (sinks + n) * self.dit.tokens_per_frame :]
+        return flow[:, :, sinks + n :].float(), hidden
 
     def unrolled(self, frames: torch.Tensor, actions: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """The one-step `clean` sampler unrolled over stream clips, differentiably: clean

@@ -254,6 +254,7 @@ def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monke
         ("--block-weight", "nan"),
         ("--state-weight", "-1"),
         ("--state-weight", "nan"),
+        ("--state-warmup", "-1"),
         ("--push-share", "1.5"),
         ("--jump-share", "2"),
         ("--rollout-share", "1.5"),
@@ -293,6 +294,17 @@ def test_train_cli_passes_the_state_weight_to_the_trainer(smoke):
     for flags, weight in (([], 0.0), (["--state-weight", "0.3"], 0.3)):
         args = parser.parse_args(["train", "pusht", *smoke, *flags])
         assert train_cli._configs(args)[2].state_weight == weight
+    flags = ["--state-weight", "0.1", "--state-target", "change", "--state-warmup", "40"]
+    config = train_cli._configs(parser.parse_args(["train", "pusht", *smoke, *flags]))[2]
+    assert (config.state_target, config.state_warmup) == ("change", 40)
+    assert train_cli._configs(parser.parse_args(["train", "pusht", *smoke]))[2].state_target == "scene"
+
+
+@pytest.mark.parametrize("flags", [["--state-target", "change"], ["--state-warmup", "10"]])
+def test_train_cli_refuses_the_probes_settings_without_the_probe(tmp_path, capsys, flags):
+    assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), *flags]) == 2
+    assert "give --state-weight" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # refused before any data is recorded
 
 
 def test_train_cli_sets_the_warm_up_and_the_logging_interval():

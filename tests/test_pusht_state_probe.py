@@ -164,9 +164,92 @@ def test_the_logged_block_errors_count_only_the_served_frames_and_the_loss_only_
     probed[0, 1, 2] += 8.0 / 256.0  # frame 1: the block 8 world units off
     probed[0, 2, 2] += 80.0 / 256.0  # frame 2: 80 units off, but not trained
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, stats = state_loss_and_stats(probed, scenes, mask, torch.tensor([[False, True, True]]))
+    target = state_targets(scenes)
+    loss, stats = state_loss_and_stats(probed, target, mask, torch.tensor([[False, True, True]]))
     assert stats["state_block_units"] == pytest.approx(8.0, abs=1e-4)
     assert stats["state_angle_degrees"] == pytest.approx(0.0, abs=1e-3)
     assert loss.item() == pytest.approx((8.0 / 256.0) ** 2 / 6 / 2, rel=1e-4)
-    _, none = state_loss_and_stats(probed, scenes, mask, torch.tensor([[False, False, True]]))
+    _, none = state_loss_and_stats(probed, target, mask, torch.tensor([[False, False, True]]))
     assert "state_block_units" not in none
+
+
+def test_change_targets_are_each_frames_change_since_the_frame_before_its_chunk(data_12, tmp_path):
+    """With --state-target change, the batch carries the scene of the frame just before each
+    chunk (the stream clip's first context frame for chunk 0, else the previous chunk's last
+    frame), and the probe's targets are each clip frame's change since it."""
+    from streamworld.pusht.data import Dataset
+    from streamworld.pusht.state_probe import change_targets
+
+    # Scenes that name their frame (episode, frame index) show which frame each row came from.
+    e, t = data_12.states.shape[:2]
+    named = np.zeros_like(data_12.states)
+    named[..., 0], named[..., 1] = np.arange(e)[:, None], np.arange(t)[None, :]
+    indexed = Dataset(data_12.frames, data_12.actions, data_12.spec, named)
+    located = _trainer(indexed, tmp_path, "where", state_weight=0.5, state_target="change")
+    where = located.batcher.sample(8)
+    chunk, chunks = located.batcher.chunk, located.batcher.clip // located.batcher.chunk
+    assert where["states_before"].shape == (8, chunks, 5)
+    first = where["states"][:, 0, 1]  # the clip's first frame
+    for c in range(chunks):
+        assert torch.equal(where["states_before"][:, c, 0], where["states"][:, 0, 0])  # same episode
+        assert torch.equal(where["states_before"][:, c, 1], first + c * chunk - 1)
+
+    trainer = _trainer(data_12, tmp_path, "change", state_weight=0.5, state_target="change")
+    batch = trainer.batcher.sample(4)
+    before = batch["states_before"]
+    target, scale = trainer._state_targets(batch)
+    assert scale == 32.0
+    expected = change_targets(batch["states"], before.repeat_interleave(chunk, 1))
+    assert torch.allclose(target, expected)
+    # a frame that is its chunk's reference frame again has no change
+    assert torch.allclose(
+        change_targets(before[:, :1], before[:, :1]), torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    )
+    seed = trainer.gen.get_state()
+    total, stats = trainer.loss(batch)
+    plain = _trainer(data_12, tmp_path, "plain-change")
+    plain.dit.load_state_dict(trainer.dit.state_dict())
+    plain.gen.set_state(seed)
+    pixel, _ = plain.loss(batch)
+    assert total.item() == pytest.approx(pixel.item() + 0.5 * stats["loss_state"], rel=1e-5)
+    # the same probe scored against the absolute scenes errs differently
+    scene = _trainer(data_12, tmp_path, "scene-same", state_weight=0.5)
+    scene.dit.load_state_dict(trainer.dit.state_dict())
+    scene.probe.load_state_dict(trainer.probe.state_dict())
+    scene.gen.set_state(seed)
+    _, scene_stats = scene.loss(batch)
+    assert scene_stats["loss_state"] != pytest.approx(stats["loss_state"], rel=1e-3)
+
+
+def test_while_the_probe_warms_up_its_error_does_not_reach_the_dit(data_12, tmp_path):
+    """Before --state-warmup steps the DiT's gradient is the pixel loss's alone and the probe
+    still learns; from then on the probe's error reaches the DiT."""
+    plain = _trainer(data_12, tmp_path, "plain-warm")
+    warm = _trainer(data_12, tmp_path, "warm", state_weight=5.0, state_target="change", state_warmup=2)
+    warm.dit.load_state_dict(plain.dit.state_dict())
+    batch = plain.batcher.sample(4)
+    seed = plain.gen.get_state()
+
+    def dit_grads(trainer):
+        trainer.dit.zero_grad()
+        trainer.gen.set_state(seed)
+        loss, _ = trainer.loss(batch)
+        loss.backward()
+        return [p.grad.clone() for p in trainer.dit.parameters() if p.grad is not None]
+
+    pixel = dit_grads(plain)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(dit_grads(warm), pixel, strict=True))
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in warm.probe.parameters())
+    warm.step = 2
+    joined = dit_grads(warm)
+    assert not all(torch.allclose(a, b, atol=1e-7) for a, b in zip(joined, pixel, strict=True))
+
+
+def test_the_state_target_and_warm_up_are_refused_where_they_cannot_apply(data_12, tmp_path):
+    with pytest.raises(ValueError, match="--state-target must be one of scene, change"):
+        _trainer(data_12, tmp_path, "bad", state_weight=1.0, state_target="pose")
+    with pytest.raises(ValueError, match="--state-warmup must be at least 0"):
+        _trainer(data_12, tmp_path, "neg", state_weight=1.0, state_warmup=-1)
+    for setting in ({"state_target": "change"}, {"state_warmup": 5}):
+        with pytest.raises(ValueError, match="give --state-weight"):
+            _trainer(data_12, tmp_path, "alone", **setting)

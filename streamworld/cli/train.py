@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..pusht.data import ROLLOUT_TARGETS, UNROLL_LOSSES
+from ..pusht.data import ROLLOUT_TARGETS, STATE_TARGETS, UNROLL_LOSSES
 from ..pusht.policy import PUSH_SHARE
 from ..pusht.pose import MAX_MISMATCH
 from . import arguments
@@ -180,6 +180,23 @@ def _add_loss_weight_arguments(group: argparse._ArgumentGroup) -> None:
         "the weights alone serve as before. On pusht-delta, 0.1 and 1 made the frames and planning "
         "worse (round 23) (default 0: none; docs/pusht.md)",
     )
+    group.add_argument(
+        "--state-target",
+        choices=STATE_TARGETS,
+        default="scene",
+        help="what the probe of --state-weight reads: scene, each frame's scene, or change, the "
+        "scene's change since the frame before the frame's chunk (positions in units of 32 world "
+        "units, the turn as cosine and sine), which is what a delta model predicts (default scene)",
+    )
+    group.add_argument(
+        "--state-warmup",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="the first STEPS steps train the probe of --state-weight on the hidden states as they "
+        "are, sending none of its error into the DiT, so the term starts from a probe that reads "
+        "what the network holds (default 0)",
+    )
 
 
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -330,6 +347,8 @@ def _configs(args: argparse.Namespace):
         change_weight=args.change_weight,
         block_weight=args.block_weight,
         state_weight=args.state_weight,
+        state_target=args.state_target,
+        state_warmup=args.state_warmup,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **_rollout_options(args),
@@ -347,6 +366,8 @@ def _configs(args: argparse.Namespace):
         change_weight=args.change_weight,
         block_weight=args.block_weight,
         state_weight=args.state_weight,
+        state_target=args.state_target,
+        state_warmup=args.state_warmup,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
@@ -381,6 +402,7 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
         "change_weight",
         "block_weight",
         "state_weight",
+        "state_warmup",
         "rollout_max_mismatch",
         "adversarial_weight",
         "adversarial_start",

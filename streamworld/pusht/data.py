@@ -33,6 +33,9 @@ TRAIN_SEED_BASE = 1_000_000
 ROLLOUT_TARGETS = ("true", "simulated")
 # The unrolled objective's error per pixel (`train.py: TrainConfig.unroll_loss`).
 UNROLL_LOSSES = ("l2", "l1")
+# What the state probe reads (`train.py: TrainConfig.state_target`): each frame's scene
+# (`state_probe.state_targets`) or its change since the frame before its chunk (`change_targets`).
+STATE_TARGETS = ("scene", "change")
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,16 @@ from .adversarial import (
     patch_mean,
     patch_weights,
 )
-from .data import ROLLOUT_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
+from .data import ROLLOUT_TARGETS, STATE_TARGETS, UNROLL_LOSSES, Dataset, DatasetSpec, generate_dataset
 from .pose import MAX_MISMATCH
-from .state_probe import StateProbe, state_errors, state_targets
+from .state_probe import (
+    CHANGE_SCALE,
+    WORLD_HALF,
+    StateProbe,
+    change_targets,
+    state_errors,
+    state_targets,
+)
 from .world import block_mask
 
 REGIMES = ("clean", "final", "noisy")
@@ -162,6 +169,14 @@ class TrainConfig:
     # block's angle) from the DiT's last hidden states. 0 trains no probe. Needs a data set
     # with `states.npy`; the unrolled share and rollouts are not probed.
     state_weight: float = 0.0
+    # What the probe reads: "scene", each frame's scene (`state_targets`), or "change", the
+    # scene's change since the frame before the frame's chunk (`change_targets`), which is
+    # what a `delta` model's output is made of (`benchmarks/state_probe_check.py`).
+    state_target: str = "scene"
+    # Steps at the start during which the probe learns to read the hidden states as they are
+    # and its error sends no gradient into the DiT: the term then starts from a probe that
+    # reads what the network holds rather than from a random one (round 23).
+    state_warmup: int = 0
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -322,6 +337,13 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError(f"--state-weight must be finite and at least 0, got {cfg.state_weight}")
     if cfg.state_weight and cfg.rollout_share > 0:
         raise ValueError("--state-weight and --rollout-share (rollout_share) cannot be combined: choose one")
+    if cfg.state_target not in STATE_TARGETS:
+        known = ", ".join(STATE_TARGETS)
+        raise ValueError(f"--state-target must be one of {known}, got {cfg.state_target!r}")
+    if not cfg.state_warmup >= 0:
+        raise ValueError(f"--state-warmup must be at least 0, got {cfg.state_warmup}")
+    if not cfg.state_weight and (cfg.state_target, cfg.state_warmup) != (TrainConfig.state_target, 0):
+        raise ValueError("--state-target and --state-warmup apply to the state probe: give --state-weight")
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
@@ -448,6 +470,9 @@ class ClipBatcher:
         batch = {"frames": frames, "actions": actions, "loss_chunks": loss_chunks}
         if self.states is not None:
             batch["states"] = self.states[episodes[:, None], index]  # each clip frame's scene
+            # [B, chunks]: the scene of the frame just before each chunk
+            before = start[:, None] + torch.arange(0, n, self.chunk, device=dev) - 1
+            batch["states_before"] = self.states[episodes[:, None], before]
         return batch
 
 
@@ -998,11 +1023,23 @@ class Trainer:
             per_sample = (err * mask).sum(1) / mask.sum(1).clamp_min(1.0)
         stats = _regime_losses(per_sample, out.regime, out.own)
         if out.hidden is not None:
-            probed = self.probe(out.hidden)  # the trained frames' [B, L, STATE_DIM]
-            state_loss, more = state_loss_and_stats(probed, batch["states"], mask, out.served)
+            # While the probe warms up, it reads the hidden states without shaping them.
+            warm = self.step >= self.cfg.state_warmup
+            probed = self.probe(out.hidden if warm else out.hidden.detach())  # [B, L, STATE_DIM]
+            target, scale = self._state_targets(batch)
+            state_loss, more = state_loss_and_stats(probed, target, mask, out.served, scale)
             loss = loss + self.cfg.state_weight * state_loss
             stats.update(more)
         return loss, stats
+
+    def _state_targets(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+        """The probe's targets for the clip frames of `batch` [B, L, STATE_DIM] (`state_target`),
+        and the world units of one unit of their positions."""
+        scenes = batch["states"].float()
+        if self.cfg.state_target == "scene":
+            return state_targets(scenes), WORLD_HALF
+        before = batch["states_before"].float().repeat_interleave(self.batcher.chunk, 1)
+        return change_targets(scenes, before), CHANGE_SCALE
 
     def forward(self, batch: dict[str, torch.Tensor]) -> TeacherForced:
         """The training forward of a batch of clips, each in a context regime and at noise
@@ -1381,21 +1418,25 @@ def state_probe_path(weights: str | Path) -> Path:
 
 
 def state_loss_and_stats(
-    probed: torch.Tensor, scenes: torch.Tensor, mask: torch.Tensor, served: torch.Tensor
+    probed: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    served: torch.Tensor,
+    scale: float = WORLD_HALF,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The state probe's squared error over the trained frames (`mask` [B, L] > 0) from its
-    predictions [B, L, STATE_DIM] and the recorded scenes [B, L, 5], and for the log its
-    block errors (world units, degrees) on the frames of `served` [B, L] (bool): those
-    denoised from pure noise after a true clean context, as the one-step `clean` sampler
-    predicts a chunk one ahead of the true past, from the context and the actions alone."""
-    target = state_targets(scenes.float())
+    predictions and targets [B, L, STATE_DIM] (whose positions are in units of `scale` world
+    units), and for the log its block errors (world units, degrees) on the frames of `served`
+    [B, L] (bool): those denoised from pure noise after a true clean context, as the
+    one-step `clean` sampler predicts a chunk one ahead of the true past, from the context
+    and the actions alone."""
     err = (probed - target).pow(2).mean(-1)
     loss = (err * mask).sum() / mask.sum().clamp_min(1.0)
     stats = {"loss_state": float(loss.detach())}
     with torch.no_grad():
         served = (mask > 0) & served
         if served.any():
-            position, angle = state_errors(probed[served], target[served])
+            position, angle = state_errors(probed[served], target[served], scale)
             stats["state_block_units"] = float(position.mean())
             stats["state_angle_degrees"] = float(angle.mean())
     return loss, stats

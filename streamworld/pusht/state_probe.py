@@ -1,7 +1,8 @@
 """A probe that reads each predicted frame's scene from the DiT's last hidden states.
 
 `train pusht --state-weight W` trains it beside the DiT on the recorded scenes
-(`data.py`, `states.npy`) and adds W times its squared error to the loss, so that the
+(`data.py`, `states.npy`), or on their change since the frame before each chunk
+(`--state-target change`), and adds W times its squared error to the loss, so that the
 DiT's hidden states have to hold where the block and the agent will be and which way the
 block points, which the pixel loss asks for only weakly: a blurred T costs it little more
 than a sharp one at a slightly wrong angle. Only the training uses the probe; it is kept

@@ -35,10 +35,12 @@ itself. What the context copy holds decides which KV mode a sample trains for:
   rollouts, where the other regimes train one chunk at a time on a given context.
 
 With `state_weight`, a small probe (`state_probe.py`) reads each trained frame's recorded
-scene (the agent's and the block's place, the block's angle) from the DiT's last hidden
-states, and its squared error joins the loss: the network has to carry the block's pose,
-which the pixel loss alone asks little of. The probe is trained, checkpointed and
-exported beside the weights (`state_probe_path`).
+scene (the agent's and the block's place, the block's angle), or with `state_target`
+"change" the scene's change since the frame before its chunk, from the DiT's last hidden
+states, and its squared error joins the loss (after `state_warmup` steps in which only the
+probe learns from it): the network has to carry the block's pose, which the pixel loss
+alone asks little of. The probe is trained, checkpointed and exported beside the weights
+(`state_probe_path`).
 
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then

@@ -253,3 +253,29 @@ def test_the_state_target_and_warm_up_are_refused_where_they_cannot_apply(data_1
     for setting in ({"state_target": "change"}, {"state_warmup": 5}):
         with pytest.raises(ValueError, match="give --state-weight"):
             _trainer(data_12, tmp_path, "alone", **setting)
+
+
+def test_the_turn_weight_scales_the_turn_alone_and_keeps_its_angle(data_12, tmp_path):
+    from streamworld.pusht.state_probe import CHANGE_SCALE, change_targets, state_errors
+
+    before = torch.tensor([[100.0, 100.0, 256.0, 256.0, 0.3]])
+    after = torch.tensor([[110.0, 90.0, 260.0, 250.0, 0.3 + math.radians(4.0)]])
+    plain, weighted = change_targets(after, before), change_targets(after, before, 8.0)
+    assert torch.equal(weighted[..., :4], plain[..., :4])
+    assert torch.allclose(weighted[..., 4:], 8.0 * plain[..., 4:])
+    still = change_targets(before, before, 8.0)
+    # the angle read off the weighted target is the turn, and its error against no turn is 4 degrees
+    _, angle = state_errors(weighted, still, CHANGE_SCALE)
+    assert angle.item() == pytest.approx(4.0, abs=1e-3)
+    # the trainer's targets use it
+    trainer = _trainer(
+        data_12, tmp_path, "turn", state_weight=0.5, state_target="change", state_turn_weight=8.0
+    )
+    batch = trainer.batcher.sample(2)
+    target, _ = trainer._state_targets(batch)
+    before = batch["states_before"].repeat_interleave(trainer.batcher.chunk, 1)
+    assert torch.allclose(target, change_targets(batch["states"], before, 8.0))
+    with pytest.raises(ValueError, match="--state-turn-weight must be"):
+        _trainer(data_12, tmp_path, "zero", state_weight=0.5, state_target="change", state_turn_weight=0.0)
+    with pytest.raises(ValueError, match="give --state-target change"):
+        _trainer(data_12, tmp_path, "scene-turn", state_weight=0.5, state_turn_weight=8.0)

@@ -197,6 +197,15 @@ def _add_loss_weight_arguments(group: argparse._ArgumentGroup) -> None:
         "are, sending none of its error into the DiT, so the term starts from a probe that reads "
         "what the network holds (default 0)",
     )
+    group.add_argument(
+        "--state-turn-weight",
+        type=float,
+        default=1.0,
+        metavar="G",
+        help="with --state-target change: multiply the turn's cosine and sine in the probe's "
+        "target by G, so its squared error weighs the block's turn G squared times as much; a "
+        "chunk's turn of a few degrees otherwise weighs little beside the moves (default 1)",
+    )
 
 
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -349,6 +358,7 @@ def _configs(args: argparse.Namespace):
         state_weight=args.state_weight,
         state_target=args.state_target,
         state_warmup=args.state_warmup,
+        state_turn_weight=args.state_turn_weight,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **_rollout_options(args),
@@ -368,6 +378,7 @@ def _configs(args: argparse.Namespace):
         state_weight=args.state_weight,
         state_target=args.state_target,
         state_warmup=args.state_warmup,
+        state_turn_weight=args.state_turn_weight,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},

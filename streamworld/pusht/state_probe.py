@@ -54,15 +54,17 @@ class StateProbe(nn.Module):
         return self.mlp(x.reshape(b, n // self.tokens_per_frame, -1))
 
 
-def change_targets(scenes: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+def change_targets(scenes: torch.Tensor, before: torch.Tensor, turn_weight: float = 1.0) -> torch.Tensor:
     """The change of scenes [..., 5] since `before` (broadcast against them) as targets
     [..., STATE_DIM]: the positions' change over CHANGE_SCALE world units, then the cosine and
-    sine of the block's turn. A model that predicts each chunk's change (`delta`) draws a
-    still block as no change wherever it is, so its last hidden states need not hold where
-    the block is, only how it moves (`benchmarks/state_probe_check.py`)."""
+    sine of the block's turn, both times `turn_weight`, so that a squared error weighs the
+    turn `turn_weight` squared times as much (the angle `state_errors` reads is the same). A
+    model that predicts each chunk's change (`delta`) draws a still block as no change
+    wherever it is, so its last hidden states need not hold where the block is, only how it
+    moves (`benchmarks/state_probe_check.py`)."""
     change = scenes - before
     turn = change[..., 4:5]
-    return torch.cat([change[..., :4] / CHANGE_SCALE, turn.cos(), turn.sin()], -1)
+    return torch.cat([change[..., :4] / CHANGE_SCALE, turn_weight * turn.cos(), turn_weight * turn.sin()], -1)
 
 
 def state_errors(

@@ -179,6 +179,11 @@ class TrainConfig:
     # and its error sends no gradient into the DiT: the term then starts from a probe that
     # reads what the network holds rather than from a random one (round 23).
     state_warmup: int = 0
+    # With state_target "change": the turn's cosine and sine in the probe's target are
+    # multiplied by this, so its squared error weighs the turn this squared times as much. A
+    # chunk's turn is a few degrees, whose sine is a few hundredths, where the positions'
+    # change is tenths: at 1 the term asks little of the turn (round 24).
+    state_turn_weight: float = 1.0
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -344,8 +349,12 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError(f"--state-target must be one of {known}, got {cfg.state_target!r}")
     if not cfg.state_warmup >= 0:
         raise ValueError(f"--state-warmup must be at least 0, got {cfg.state_warmup}")
+    if not 0 < cfg.state_turn_weight < math.inf:
+        raise ValueError(f"--state-turn-weight must be finite and above 0, got {cfg.state_turn_weight}")
     if not cfg.state_weight and (cfg.state_target, cfg.state_warmup) != (TrainConfig.state_target, 0):
         raise ValueError("--state-target and --state-warmup apply to the state probe: give --state-weight")
+    if cfg.state_turn_weight != 1.0 and cfg.state_target != "change":
+        raise ValueError("--state-turn-weight weighs the change's turn: give --state-target change")
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
@@ -1041,7 +1050,7 @@ class Trainer:
         if self.cfg.state_target == "scene":
             return state_targets(scenes), WORLD_HALF
         before = batch["states_before"].float().repeat_interleave(self.batcher.chunk, 1)
-        return change_targets(scenes, before), CHANGE_SCALE
+        return change_targets(scenes, before, self.cfg.state_turn_weight), CHANGE_SCALE
 
     def forward(self, batch: dict[str, torch.Tensor]) -> TeacherForced:
         """The training forward of a batch of clips, each in a context regime and at noise

@@ -302,7 +302,9 @@ def test_train_cli_passes_the_state_weight_to_the_trainer(smoke):
     assert train_cli._configs(parser.parse_args(["train", "pusht", *smoke]))[2].state_target == "scene"
 
 
-@pytest.mark.parametrize("flags", [["--state-target", "change"], ["--state-warmup", "10"]])
+@pytest.mark.parametrize(
+    "flags", [["--state-target", "change"], ["--state-warmup", "10"], ["--state-turn-weight", "8"]]
+)
 def test_train_cli_refuses_the_probes_settings_without_the_probe(tmp_path, capsys, flags):
     assert cli_main(["train", "pusht", "--smoke", "--workdir", str(tmp_path), *flags]) == 2
     assert "give --state-weight" in capsys.readouterr().err

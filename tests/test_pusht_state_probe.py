@@ -250,7 +250,7 @@ def test_the_state_target_and_warm_up_are_refused_where_they_cannot_apply(data_1
         _trainer(data_12, tmp_path, "bad", state_weight=1.0, state_target="pose")
     with pytest.raises(ValueError, match="--state-warmup must be at least 0"):
         _trainer(data_12, tmp_path, "neg", state_weight=1.0, state_warmup=-1)
-    for setting in ({"state_target": "change"}, {"state_warmup": 5}):
+    for setting in ({"state_target": "change"}, {"state_warmup": 5}, {"state_turn_weight": 8.0}):
         with pytest.raises(ValueError, match="give --state-weight"):
             _trainer(data_12, tmp_path, "alone", **setting)
 

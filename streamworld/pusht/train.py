@@ -351,8 +351,12 @@ def check_unroll(cfg: TrainConfig) -> None:
         raise ValueError(f"--state-warmup must be at least 0, got {cfg.state_warmup}")
     if not 0 < cfg.state_turn_weight < math.inf:
         raise ValueError(f"--state-turn-weight must be finite and above 0, got {cfg.state_turn_weight}")
-    if not cfg.state_weight and (cfg.state_target, cfg.state_warmup) != (TrainConfig.state_target, 0):
-        raise ValueError("--state-target and --state-warmup apply to the state probe: give --state-weight")
+    probe_settings = (cfg.state_target, cfg.state_warmup, cfg.state_turn_weight)
+    if not cfg.state_weight and probe_settings != (TrainConfig.state_target, 0, 1.0):
+        raise ValueError(
+            "--state-target, --state-warmup and --state-turn-weight apply to the state probe: "
+            "give --state-weight"
+        )
     if cfg.state_turn_weight != 1.0 and cfg.state_target != "change":
         raise ValueError("--state-turn-weight weighs the change's turn: give --state-target change")
     if cfg.unroll_share == 0:

@@ -295,10 +295,10 @@ def test_train_cli_passes_the_state_weight_to_the_trainer(smoke):
         args = parser.parse_args(["train", "pusht", *smoke, *flags])
         assert train_cli._configs(args)[2].state_weight == weight
     flags = ["--state-weight", "0.1", "--state-target", "change", "--state-warmup", "40"]
-    config = train_cli._configs(
-        parser.parse_args(["train", "pusht", *smoke, *flags, "--state-turn-weight", "8"])
-    )[2]
+    flags += ["--state-turn-weight", "8", "--state-layer", "2"]
+    config = train_cli._configs(parser.parse_args(["train", "pusht", *smoke, *flags]))[2]
     assert (config.state_target, config.state_warmup, config.state_turn_weight) == ("change", 40, 8.0)
+    assert config.state_layer == 2
     assert train_cli._configs(parser.parse_args(["train", "pusht", *smoke]))[2].state_target == "scene"
 
 

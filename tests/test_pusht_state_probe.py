@@ -279,3 +279,55 @@ def test_the_turn_weight_scales_the_turn_alone_and_keeps_its_angle(data_12, tmp_
         _trainer(data_12, tmp_path, "zero", state_weight=0.5, state_target="change", state_turn_weight=0.0)
     with pytest.raises(ValueError, match="give --state-target change"):
         _trainer(data_12, tmp_path, "scene-turn", state_weight=0.5, state_turn_weight=8.0)
+
+
+def test_the_probe_can_read_a_middle_blocks_hidden_states(data_12, tmp_path):
+    """With --state-layer K the probe reads the hidden states after the first K blocks: those
+    of a forward cut after K blocks, while the frame is the whole DiT's; its gradient reaches
+    the first K blocks and none after them."""
+    trainer = _trainer(data_12, tmp_path, "middle", state_weight=0.5, state_layer=1)
+    last = _trainer(data_12, tmp_path, "last", state_weight=0.5)
+    last.dit.load_state_dict(trainer.dit.state_dict())
+    batch = trainer.batcher.sample(2)
+    seed = trainer.gen.get_state()
+    middle = trainer.forward(batch)
+    last.gen.set_state(seed)
+    whole = last.forward(batch)
+    assert torch.equal(middle.pred, whole.pred)
+    assert not torch.allclose(middle.hidden, whole.hidden)
+    # the states after block 1 are what a one-block DiT with the same first block computes
+    dit = trainer.dit
+    layers = dit.num_layers
+    try:
+        dit.num_layers = 1
+        trainer.gen.set_state(seed)
+        cut = trainer.forward(batch)
+    finally:
+        dit.num_layers = layers
+    assert torch.allclose(middle.hidden, cut.hidden, atol=1e-6)
+    # the probe's error reaches the first block only
+    trainer.step = trainer.cfg.state_warmup
+    hidden = middle.hidden
+    probe_loss = trainer.probe(hidden).pow(2).mean()
+    probe_loss.backward()
+    first = [p for n, p in dit.named_parameters() if ".blocks.0." in n]
+    later = [p for n, p in dit.named_parameters() if ".blocks.1." in n]
+    assert first and later
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in first)
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in later)
+
+
+def test_a_state_layer_the_model_lacks_is_refused(data_12, tmp_path, capsys):
+    from streamworld.cli.main import main as cli_main
+
+    with pytest.raises(ValueError, match="--state-layer 3: the model has 2 blocks"):
+        _trainer(data_12, tmp_path, "deep", state_weight=0.5, state_layer=3)
+    with pytest.raises(ValueError, match="--state-layer must be at least 1"):
+        _trainer(data_12, tmp_path, "zero", state_weight=0.5, state_layer=0)
+    with pytest.raises(ValueError, match="needs --state-weight"):
+        _trainer(data_12, tmp_path, "alone", state_layer=1)
+    work = tmp_path / "cli"
+    flags = ["train", "pusht", "--smoke", "--workdir", str(work), "--state-weight", "1", "--state-layer", "9"]
+    assert cli_main(flags) == 2
+    assert "--state-layer 9: the model has 2 blocks" in capsys.readouterr().err
+    assert not (work / "data").exists()  # refused before any data is recorded

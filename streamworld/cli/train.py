@@ -207,6 +207,14 @@ def _add_loss_weight_arguments(group: argparse._ArgumentGroup) -> None:
         "target by G, so its squared error weighs the block's turn G squared times as much; a "
         "chunk's turn of a few degrees otherwise weighs little beside the moves (default 1)",
     )
+    group.add_argument(
+        "--state-layer",
+        type=int,
+        metavar="K",
+        help="the probe of --state-weight reads the hidden states after the first K blocks, so "
+        "that what it asks for feeds the blocks that draw the frame rather than competing with "
+        "the pixel head for the last block's features (default: after all of them)",
+    )
 
 
 def _add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -360,6 +368,7 @@ def _configs(args: argparse.Namespace):
         state_target=args.state_target,
         state_warmup=args.state_warmup,
         state_turn_weight=args.state_turn_weight,
+        state_layer=args.state_layer,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **_rollout_options(args),
@@ -380,6 +389,7 @@ def _configs(args: argparse.Namespace):
         state_target=args.state_target,
         state_warmup=args.state_warmup,
         state_turn_weight=args.state_turn_weight,
+        state_layer=args.state_layer,
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
@@ -454,13 +464,14 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pusht.train import Trainer, check_resume, check_unroll, prepare_data
+    from ..pusht.train import Trainer, check_resume, check_state_layer, check_unroll, prepare_data
 
     workdir = Path(args.workdir)
     _check(args, workdir)
     config, spec, train_config, device = _configs(args)
     try:  # before any data is recorded
         check_unroll(train_config)
+        check_state_layer(train_config, config)
     except ValueError as e:
         raise UsageError(str(e)) from None
     data_dir = Path(args.data) if args.data else workdir / "data"

@@ -621,9 +621,11 @@ class CausalWanDiT(nn.Module):
         latent_actions: torch.Tensor | None = None,
         max_position: int | None = None,
         with_hidden: bool = False,
+        hidden_after: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Flow [B, C, T, h, w] for frames with explicit temporal positions and frame mask;
-        with `with_hidden`, (flow, the last block's hidden states [B, T * P, D]).
+        with `with_hidden`, (flow, the hidden states [B, T * P, D] after the first
+        `hidden_after` blocks, by default all: the last block's).
 
         positions [T]: each frame's temporal RoPE position; frame_mask [T, T] bool: query
         frame i attends to key frame j. Training uses it to put a clean (or noisy) copy of the
@@ -648,12 +650,18 @@ class CausalWanDiT(nn.Module):
             rotate = _rotate_traced if torch.compiler.is_compiling() else _rotate
             return _sdpa(rotate(q, cos, sin), rotate(k, cos, sin), v, mask)
 
+        kept_after = self.num_layers if hidden_after is None else hidden_after
+        if not 1 <= kept_after <= self.num_layers:
+            raise ValueError(f"hidden_after must be in [1, {self.num_layers}], got {hidden_after}")
+        kept = None
         for index in range(self.num_layers):
             text_k = text.keys[index].unsqueeze(0).expand(b, -1, -1, -1)
             text_v = text.values[index].unsqueeze(0).expand(b, -1, -1, -1)
             act.hidden = self._block(index, act, attend, text_k, text_v)
+            if index + 1 == kept_after:
+                kept = act.hidden
         flow = self.head(act)
-        return (flow, act.hidden) if with_hidden else flow
+        return (flow, kept) if with_hidden else flow
 
     # --- one transformer block ------------------------------------------------------------
     def _block(

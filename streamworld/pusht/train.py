@@ -184,6 +184,10 @@ class TrainConfig:
     # chunk's turn is a few degrees, whose sine is a few hundredths, where the positions'
     # change is tenths: at 1 the term asks little of the turn (round 24).
     state_turn_weight: float = 1.0
+    # The blocks after which the probe reads the hidden states; None: all of them (the last
+    # block's output, which the pixel head maps to the frame). A middle block's states feed
+    # the blocks that draw the frame instead of competing with them for the same features.
+    state_layer: int | None = None
     # Run the training forward through torch.compile (fused elementwise kernels; a GPU needs
     # Triton, a CPU a C++ compiler). The first step compiles; the loss equals the eager one
     # up to float rounding. The unrolled objective's forwards stay eager (`Trainer.unrolled`).
@@ -318,6 +322,13 @@ def unrolled_count(share: float, batch: int) -> int:
     return round(share * batch)
 
 
+def check_state_layer(cfg: TrainConfig, model_config: ModelConfig) -> None:
+    """ValueError where `cfg.state_layer` names a block the model does not have."""
+    layers = model_config.num_layers
+    if cfg.state_layer is not None and cfg.state_layer > layers:
+        raise ValueError(f"--state-layer {cfg.state_layer}: the model has {layers} blocks")
+
+
 def check_unroll(cfg: TrainConfig) -> None:
     """ValueError where `cfg.unroll_share` cannot run with the rest of `cfg`."""
     if not 0 <= cfg.unroll_share <= 1:
@@ -357,6 +368,8 @@ def check_unroll(cfg: TrainConfig) -> None:
             "--state-target, --state-warmup and --state-turn-weight apply to the state probe: "
             "give --state-weight"
         )
+    if cfg.state_layer is not None and not (cfg.state_weight and cfg.state_layer >= 1):
+        raise ValueError(f"--state-layer must be at least 1 and needs --state-weight, got {cfg.state_layer}")
     if cfg.state_turn_weight != 1.0 and cfg.state_target != "change":
         raise ValueError("--state-turn-weight weighs the change's turn: give --state-target change")
     if cfg.unroll_share == 0:
@@ -910,6 +923,7 @@ class Trainer:
                 "--state-weight needs the recorded scenes (states.npy), which this data set was "
                 "recorded without: record it again into a new --data folder"
             )
+        check_state_layer(self.cfg, self.mcfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
             probe = StateProbe(self.dit.dim, self.dit.tokens_per_frame)
@@ -1113,7 +1127,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The DiT over the clip layout `[sink copies | context copy | clip being denoised]`:
         its output for the clip's frames [B, C, L, h, w] (float32) and, with the state probe,
-        their last hidden states [B, L * P, D] (else None)."""
+        their hidden states [B, L * P, D] after `state_layer` blocks (else None)."""
         b, dev = x_t.shape[0], self.device
         sinks, n = self.batcher.sinks, self.batcher.clip
         latents = torch.cat([sink.expand(-1, -1, sinks, -1, -1), ctx, x_t], 2)
@@ -1131,6 +1145,7 @@ class Trainer:
                 latent_actions,
                 max_position=self.batcher.max_position,
                 with_hidden=self.probe is not None,
+                hidden_after=self.cfg.state_layer,
             )
         flow, hidden = out if self.probe is not None else (out, None)
         if hidden is not None:

@@ -1,4 +1,4 @@
-"""A probe that reads each predicted frame's scene from the DiT's last hidden states.
+"""A probe that reads each predicted frame's scene from the DiT's hidden states.
 
 `train pusht --state-weight W` trains it beside the DiT on the recorded scenes
 (`data.py`, `states.npy`), or on their change since the frame before each chunk

@@ -37,10 +37,10 @@ itself. What the context copy holds decides which KV mode a sample trains for:
 With `state_weight`, a small probe (`state_probe.py`) reads each trained frame's recorded
 scene (the agent's and the block's place, the block's angle), or with `state_target`
 "change" the scene's change since the frame before its chunk, from the DiT's last hidden
-states, and its squared error joins the loss (after `state_warmup` steps in which only the
-probe learns from it): the network has to carry the block's pose, which the pixel loss
-alone asks little of. The probe is trained, checkpointed and exported beside the weights
-(`state_probe_path`).
+states (or those after `state_layer` blocks), and its squared error joins the loss (after
+`state_warmup` steps in which only the probe learns from it): the network has to carry the
+block's pose, which the pixel loss alone asks little of. The probe is trained,
+checkpointed and exported beside the weights (`state_probe_path`).
 
 Noise levels are drawn half from the served step list and half uniformly. Clips start at
 the episode start (every chunk then has its exact serving context) or anywhere later (then
@@ -168,7 +168,7 @@ class TrainConfig:
     adversarial_max_scale: float = ADAPTIVE_WEIGHT_CAP
     # The weight of the state probe's squared error in the loss (`state_probe.py`): the probe
     # reads each trained frame's recorded scene (the agent's and the block's place, the
-    # block's angle) from the DiT's last hidden states. 0 trains no probe. Needs a data set
+    # block's angle) from the DiT's hidden states. 0 trains no probe. Needs a data set
     # with `states.npy`; the unrolled share and rollouts are not probed.
     state_weight: float = 0.0
     # What the probe reads: "scene", each frame's scene (`state_targets`), or "change", the
@@ -834,7 +834,7 @@ class TeacherForced(NamedTuple):
     regime: torch.Tensor  # [B] each clip's context: 0 clean, 1 final, 2 noisy
     own: torch.Tensor  # [B] bool: the context is the model's own rollout
     served: torch.Tensor  # [B, L] bool: denoised from pure noise after a true clean context
-    hidden: torch.Tensor | None  # with the state probe, the frames' last hidden states [B, L * P, D]
+    hidden: torch.Tensor | None  # with the state probe, the frames' hidden states [B, L * P, D] it reads
 
 
 class Trainer:
@@ -1073,7 +1073,7 @@ class Trainer:
     def forward(self, batch: dict[str, torch.Tensor]) -> TeacherForced:
         """The training forward of a batch of clips, each in a context regime and at noise
         levels drawn from the trainer's generator; with the state probe, also the trained
-        frames' last hidden states."""
+        frames' hidden states that the probe reads."""
         g, dev = self.gen, self.device
         frames, actions = batch["frames"], batch["actions"]
         b = frames.shape[0]

@@ -129,6 +129,7 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         help="steps averaged into each row of the logged history (default 100; a resume may change it)",
     )
     _add_loss_weight_arguments(group)
+    _add_state_probe_arguments(group)
     group.add_argument(
         "--clip-chunks",
         type=int,
@@ -152,7 +153,7 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_loss_weight_arguments(group: argparse._ArgumentGroup) -> None:
-    """--change-weight, --block-weight, --state-weight: what the loss weighs beyond every pixel."""
+    """--change-weight, --block-weight: what the loss weighs beyond every pixel."""
     group.add_argument(
         "--change-weight",
         type=float,
@@ -165,6 +166,10 @@ def _add_loss_weight_arguments(group: argparse._ArgumentGroup) -> None:
         default=0.0,
         help="extra loss weight on pixels where the block is or was at the start (default 0)",
     )
+
+
+def _add_state_probe_arguments(group: argparse._ArgumentGroup) -> None:
+    """--state-weight and the probe's settings (`pusht/state_probe.py`)."""
     group.add_argument(
         "--state-weight",
         type=float,

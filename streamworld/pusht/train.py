@@ -322,6 +322,31 @@ def unrolled_count(share: float, batch: int) -> int:
     return round(share * batch)
 
 
+def _check_state_probe(cfg: TrainConfig) -> None:
+    """ValueError where the state probe's settings cannot run with the rest of `cfg`."""
+    if not 0 <= cfg.state_weight < math.inf:
+        raise ValueError(f"--state-weight must be finite and at least 0, got {cfg.state_weight}")
+    if cfg.state_weight and cfg.rollout_share > 0:
+        raise ValueError("--state-weight and --rollout-share (rollout_share) cannot be combined: choose one")
+    if cfg.state_target not in STATE_TARGETS:
+        known = ", ".join(STATE_TARGETS)
+        raise ValueError(f"--state-target must be one of {known}, got {cfg.state_target!r}")
+    if not cfg.state_warmup >= 0:
+        raise ValueError(f"--state-warmup must be at least 0, got {cfg.state_warmup}")
+    if not 0 < cfg.state_turn_weight < math.inf:
+        raise ValueError(f"--state-turn-weight must be finite and above 0, got {cfg.state_turn_weight}")
+    probe_settings = (cfg.state_target, cfg.state_warmup, cfg.state_turn_weight)
+    if not cfg.state_weight and probe_settings != (TrainConfig.state_target, 0, 1.0):
+        raise ValueError(
+            "--state-target, --state-warmup and --state-turn-weight apply to the state probe: "
+            "give --state-weight"
+        )
+    if cfg.state_layer is not None and not (cfg.state_weight and cfg.state_layer >= 1):
+        raise ValueError(f"--state-layer must be at least 1 and needs --state-weight, got {cfg.state_layer}")
+    if cfg.state_turn_weight != 1.0 and cfg.state_target != "change":
+        raise ValueError("--state-turn-weight weighs the change's turn: give --state-target change")
+
+
 def check_state_layer(cfg: TrainConfig, model_config: ModelConfig) -> None:
     """ValueError where `cfg.state_layer` names a block the model does not have."""
     layers = model_config.num_layers
@@ -351,27 +376,7 @@ def check_unroll(cfg: TrainConfig) -> None:
             if getattr(cfg, name) != getattr(TrainConfig, name):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} applies to the adversarial term: give --adversarial-weight too")
-    if not 0 <= cfg.state_weight < math.inf:
-        raise ValueError(f"--state-weight must be finite and at least 0, got {cfg.state_weight}")
-    if cfg.state_weight and cfg.rollout_share > 0:
-        raise ValueError("--state-weight and --rollout-share (rollout_share) cannot be combined: choose one")
-    if cfg.state_target not in STATE_TARGETS:
-        known = ", ".join(STATE_TARGETS)
-        raise ValueError(f"--state-target must be one of {known}, got {cfg.state_target!r}")
-    if not cfg.state_warmup >= 0:
-        raise ValueError(f"--state-warmup must be at least 0, got {cfg.state_warmup}")
-    if not 0 < cfg.state_turn_weight < math.inf:
-        raise ValueError(f"--state-turn-weight must be finite and above 0, got {cfg.state_turn_weight}")
-    probe_settings = (cfg.state_target, cfg.state_warmup, cfg.state_turn_weight)
-    if not cfg.state_weight and probe_settings != (TrainConfig.state_target, 0, 1.0):
-        raise ValueError(
-            "--state-target, --state-warmup and --state-turn-weight apply to the state probe: "
-            "give --state-weight"
-        )
-    if cfg.state_layer is not None and not (cfg.state_weight and cfg.state_layer >= 1):
-        raise ValueError(f"--state-layer must be at least 1 and needs --state-weight, got {cfg.state_layer}")
-    if cfg.state_turn_weight != 1.0 and cfg.state_target != "change":
-        raise ValueError("--state-turn-weight weighs the change's turn: give --state-target change")
+    _check_state_probe(cfg)
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")

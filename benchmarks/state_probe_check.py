@@ -4,7 +4,8 @@
 The model stays fixed (default: the shipped `pusht-delta`). It runs once over stream
 clips of two chunks, each chunk denoised in one step from pure noise after its true clean
 context, as `--steps 1000 --kv-mode clean` predicts one chunk ahead of the true past, and
-its last hidden states of the clips' frames are kept. A `StateProbe` then trains on the
+its last hidden states of the clips' frames are kept (or, with `--layer K`, those after the
+first K blocks). A `StateProbe` then trains on the
 second chunk's four frames for several epochs to read how the scene changed since the
 frame before the chunk: how far the agent and the block moved and how far the block
 turned (`change_targets`). A model that predicts each chunk's change draws a still block
@@ -62,7 +63,8 @@ def split(data: Dataset, held_out: int) -> tuple[Dataset, Dataset]:
 
 def fixed_model(args: argparse.Namespace, data: Dataset, work: Path) -> Trainer:
     """A trainer whose forward is the fixed model's on clips in the `clean` regime, each
-    chunk denoised in one step from pure noise, with the frames' last hidden states."""
+    chunk denoised in one step from pure noise, with the frames' hidden states after
+    `--layer` blocks (default: the last block's)."""
     config = dataclasses.replace(get_preset(args.model), denoising_steps=(1000.0,))
     if args.smoke:
         config = smoke_config(config)
@@ -71,6 +73,7 @@ def fixed_model(args: argparse.Namespace, data: Dataset, work: Path) -> Trainer:
         regime_weights=(1.0, 0.0, 0.0),
         discrete_share=1.0,
         state_weight=1.0,  # makes the forward return the hidden states
+        state_layer=args.layer,
         start_share=0.0,
         seed=args.seed,
     )
@@ -183,6 +186,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3, help="the probe's peak learning rate (default 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
     p.add_argument("--workers", type=int, default=2, help="processes recording episodes (default 2)")
+    p.add_argument(
+        "--layer",
+        type=int,
+        metavar="K",
+        help="read the hidden states after the first K blocks (default: after all of them, the last "
+        "block's, which the pixel head maps to the frame)",
+    )
     p.add_argument("--smoke", action="store_true", help="the tiny smoke model, random weights (tests)")
     p.add_argument("--json", type=Path, help="write the report here")
     args = p.parse_args(argv)
@@ -203,6 +213,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--held-out must be fewer than --episodes: the probe trains on the rest")
     if not args.lr > 0:
         p.error("--lr must be positive")
+    config = get_preset(args.model)
+    layers = (smoke_config(config) if args.smoke else config).num_layers
+    if args.layer is not None and not 1 <= args.layer <= layers:
+        p.error(f"--layer must be in [1, {layers}]: the model has {layers} blocks")
     if not args.smoke and not args.dit.is_file():
         p.error(f"--dit: {args.dit} does not exist")
     return args
@@ -224,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         seconds = {"data": time.perf_counter() - start}
         if args.features is not None and args.features.is_file():
             features = torch.load(args.features, weights_only=True)
+            if features.get("layer") != args.layer:  # files without it hold the last block's
+                kept = features["layer"] or "all"
+                sys.exit(f"--features: {args.features} holds the states after {kept} blocks, not --layer's")
         else:
             features = {
                 "train": hidden_states(model, train_data, args.clips, args.batch_size, "clips"),
@@ -232,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             }
             if args.features is not None:
-                torch.save(features, args.features)
+                torch.save({**features, "layer": args.layer}, args.features)
         (train_hidden, train_scenes), (test_hidden, test_scenes) = features["train"], features["held_out"]
         seconds["forwards"] = time.perf_counter() - start - sum(seconds.values())
         chunk = model.batcher.chunk

@@ -93,9 +93,34 @@ def test_the_probe_learns_each_frame_from_its_own_hidden_states():
         (["--held-out", "5", "--episodes", "5"], "fewer than --episodes"),
         (["--lr", "0"], "positive"),
         (["--epochs", "0"], "at least 1"),
+        (["--layer", "3"], "--layer must be in [1, 2]"),
+        (["--layer", "0"], "--layer must be in [1, 2]"),
     ],
 )
 def test_the_check_refuses_settings_it_cannot_run(argv, message, capsys):
     with pytest.raises(SystemExit):
         _bench().parse_args(["--smoke", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_the_check_reads_a_middle_block_and_keeps_its_states_apart(tmp_path, capsys):
+    """--layer 1 keeps the states after the first block; a features file kept for one layer
+    is refused for another instead of being scored as if it were that layer's."""
+    bench = _bench()
+    features = tmp_path / "features.pt"
+    argv = ["--smoke", "--episodes", "3", "--held-out", "1", "--steps-per-episode", "30", "--workers", "1"]
+    argv += ["--clips", "4", "--held-out-clips", "2", "--batch-size", "4", "--epochs", "2"]
+    argv += ["--data", str(tmp_path / "data"), "--features", str(features)]
+    assert bench.main([*argv, "--layer", "1"]) == 0
+    kept = torch.load(features, weights_only=True)
+    assert kept["layer"] == 1
+    last = tmp_path / "last.pt"
+    assert bench.main([*argv[:-1], str(last)]) == 0
+    whole = torch.load(last, weights_only=True)
+    assert whole["layer"] is None
+    # the same clips (the same seed), read after another block
+    assert torch.equal(kept["train"][1], whole["train"][1])
+    assert kept["train"][0].shape == whole["train"][0].shape
+    assert not torch.equal(kept["train"][0], whole["train"][0])
+    with pytest.raises(SystemExit, match="after 1 blocks, not --layer's"):
+        bench.main(argv)

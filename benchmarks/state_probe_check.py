@@ -140,8 +140,8 @@ def score(probe: StateProbe, hidden: torch.Tensor, truth: torch.Tensor) -> dict:
     """The probe and the copy (no change) on held-out frames [N, F, P, D] whose true
     change is `truth` [N, F, STATE_DIM], by how far the block truly turns."""
     probed = probe(hidden.float().flatten(1, 2))
-    copy = torch.zeros_like(truth)
-    copy[..., 4] = 1.0  # no turn: cosine 1, sine 0
+    still = torch.zeros(5)
+    copy = change_targets(still, still).expand_as(truth)  # no move, no turn
     probe_units, probe_degrees = state_errors(probed, truth, CHANGE_SCALE)
     copy_units, copy_degrees = state_errors(copy, truth, CHANGE_SCALE)
     errors = torch.stack([probe_units, probe_degrees, copy_units, copy_degrees], -1).flatten(0, 1)

@@ -369,11 +369,7 @@ def _configs(args: argparse.Namespace):
         seed=args.seed,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
-        state_weight=args.state_weight,
-        state_target=args.state_target,
-        state_warmup=args.state_warmup,
-        state_turn_weight=args.state_turn_weight,
-        state_layer=args.state_layer,
+        **_state_probe_options(args),
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **_rollout_options(args),
@@ -390,16 +386,17 @@ def _configs(args: argparse.Namespace):
         checkpoint_every=2,
         change_weight=args.change_weight,
         block_weight=args.block_weight,
-        state_weight=args.state_weight,
-        state_target=args.state_target,
-        state_warmup=args.state_warmup,
-        state_turn_weight=args.state_turn_weight,
-        state_layer=args.state_layer,
+        **_state_probe_options(args),
         compile=args.compile,
         clip_chunks=args.clip_chunks,
         **{**_rollout_options(args), "rollout_episodes": 2, "rollout_frames": 12, "rollout_every": 2},
     )
     return config, spec, train_config, "cpu"
+
+
+def _state_probe_options(args: argparse.Namespace) -> dict:
+    names = ("state_weight", "state_target", "state_warmup", "state_turn_weight", "state_layer")
+    return {name: getattr(args, name) for name in names}
 
 
 def _rollout_options(args: argparse.Namespace) -> dict:

@@ -335,8 +335,8 @@ def _check_state_probe(cfg: TrainConfig) -> None:
         raise ValueError(f"--state-warmup must be at least 0, got {cfg.state_warmup}")
     if not 0 < cfg.state_turn_weight < math.inf:
         raise ValueError(f"--state-turn-weight must be finite and above 0, got {cfg.state_turn_weight}")
-    probe_settings = (cfg.state_target, cfg.state_warmup, cfg.state_turn_weight)
-    if not cfg.state_weight and probe_settings != (TrainConfig.state_target, 0, 1.0):
+    settings = ("state_target", "state_warmup", "state_turn_weight")
+    if not cfg.state_weight and any(getattr(cfg, n) != getattr(TrainConfig, n) for n in settings):
         raise ValueError(
             "--state-target, --state-warmup and --state-turn-weight apply to the state probe: "
             "give --state-weight"

@@ -70,11 +70,11 @@ def test_state_targets_and_errors():
     assert angle.item() == pytest.approx(2.0, abs=1e-3)  # degrees, across the wrap
 
 
-def _trainer(data, tmp_path, name, **overrides):
+def _trainer(data, tmp_path, name, device="cpu", **overrides):
     from streamworld.pusht.train import TrainConfig, Trainer
 
     config = TrainConfig(**{"batch_size": 4, "clip_chunks": 2, "seed": 3, **overrides})
-    return Trainer(smoke_config(PUSHT).with_prediction("delta"), config, data, tmp_path / name, "cpu")
+    return Trainer(smoke_config(PUSHT).with_prediction("delta"), config, data, tmp_path / name, device)
 
 
 def test_the_state_term_adds_the_probes_error_on_the_trained_frames_scenes(data_12, tmp_path):
@@ -331,3 +331,33 @@ def test_a_state_layer_the_model_lacks_is_refused(data_12, tmp_path, capsys):
     assert cli_main(flags) == 2
     assert "--state-layer 9: the model has 2 blocks" in capsys.readouterr().err
     assert not (work / "data").exists()  # refused before any data is recorded
+
+
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+def test_compiled_steps_with_the_probe_on_a_middle_block_equal_the_eager_ones(data_12, tmp_path, device):
+    """`--compile` with every probe option of the rounds on the GPU (change target, warm-up,
+    turn weight, a middle block): the same seeds give the same losses, probe and weights as
+    the eager steps, up to float rounding (bf16 autocast on a GPU), before and after the
+    warm-up; and the probe did learn."""
+    from torch._dynamo.utils import counters
+
+    options = dict(
+        state_weight=0.5, state_target="change", state_warmup=2, state_turn_weight=4.0, state_layer=1
+    )
+    torch._dynamo.reset()
+    eager = _trainer(data_12, tmp_path, "eager", device, warmup_steps=1, **options)
+    compiled = _trainer(data_12, tmp_path, "compiled", device, warmup_steps=1, compile=True, **options)
+    tol = 2e-2 if device == "cuda" else 1e-4
+    for _ in range(4):
+        a, b = eager.train_step(), compiled.train_step()
+        assert a["loss"] == pytest.approx(b["loss"], rel=tol)
+        assert a["loss_state"] == pytest.approx(b["loss_state"], rel=tol)
+    assert counters["stats"]["unique_graphs"] > 0, "torch.compile never ran"
+    for key, value in eager.ema.items():
+        torch.testing.assert_close(compiled.ema[key], value, rtol=tol, atol=tol, msg=key)
+    start = _trainer(data_12, tmp_path, "start", device, **options).probe.state_dict()
+    for key, value in eager.probe.state_dict().items():
+        torch.testing.assert_close(compiled.probe.state_dict()[key], value, rtol=tol, atol=tol, msg=key)
+    assert any(not torch.equal(start[k], v) for k, v in eager.probe.state_dict().items())

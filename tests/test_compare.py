@@ -12,6 +12,7 @@ import pytest
 
 from streamworld.cli import main
 from streamworld.pusht.compare import (
+    BOOTSTRAP_RESAMPLES,
     MAX_REPORT_BYTES,
     MAX_REPORTS,
     CompareError,
@@ -124,6 +125,13 @@ def test_plans_are_paired_by_seed_across_split_reports(tmp_path, capsys):
     assert result["only_a"] == [0, 1] and result["only_b"] == [6, 7, 8, 9]
     assert result["p"] == pytest.approx(sign_test(4, 2))
     assert result["steps_difference_when_both"] == 5.0  # B took 25 steps where A took 20
+    # B gained 4 seeds and lost 2 of 10: +0.2, and the interval of the per-seed mean holds it
+    assert result["success_difference"] == pytest.approx(0.2)
+    low, high = result["success_difference_interval"]
+    assert -1 <= low < 0.2 < high <= 1
+    assert (low, high) == pytest.approx(
+        bootstrap_interval(np.array([-1, -1, 0, 0, 0, 0, 1, 1, 1, 1], float), BOOTSTRAP_RESAMPLES, 0)
+    )
     # The same through the command line, with a glob for A, and the JSON it writes.
     out = tmp_path / "cmp.json"
     assert main(["compare", str(tmp_path / "a-*.json"), b, "--json", str(out)]) == 0
@@ -131,7 +139,10 @@ def test_plans_are_paired_by_seed_across_split_reports(tmp_path, capsys):
     assert "| of 10 | 6 (60%) | 8 (80%) | 4 | 2 | 4 | 0 |" in text
     assert "left out: 1 only in A, 0 only in B" in text and "(2 reports)" in text
     assert "over the goals both reached: +5.0" in text
+    assert f"success rate, B - A: +20.0 points (95% interval {100 * low:+.1f} to {100 * high:+.1f}" in text
     assert json.loads(out.read_text())["only_b"] == [6, 7, 8, 9]
+    # A side against itself: no difference, and an interval that is that point
+    assert compare(load_side(b), load_side(b))["success_difference_interval"] == (0.0, 0.0)
 
 
 def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path):

@@ -16,8 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="compare two PushT evaluation reports seed by seed, with paired tests",
         description=(
             "Compare the JSON reports of two `streamworld eval` runs on the same seeds: B against A. "
-            "Planning reports (--plan): goals reached by both, by one only, and the exact two-sided "
-            "sign test over the episodes only one side reached. Prediction reports: per KV mode and "
+            "Planning reports (--plan): goals reached by both, by one only, the exact two-sided "
+            "sign test over the episodes only one side reached, and the difference in success rate "
+            "with its 95% bootstrap interval over the seeds. Prediction reports: per KV mode and "
             "report horizon, each side's mean over the seeds where both sides found the object (the "
             "others are counted by side, with the sign test of which side lost more), the mean "
             "difference B - A with its 95% bootstrap interval over the "

@@ -5,7 +5,9 @@ Both kinds of report that `streamworld eval` writes can be compared:
 - **planning** (`eval --plan`): each episode's outcome. Episodes are paired by seed; the
   pairs where exactly one side reached the goal decide. Their split is tested with the exact
   two-sided sign test (McNemar's exact test): the chance of a split at least that uneven if
-  either side were as likely as the other to be the one that succeeds.
+  either side were as likely as the other to be the one that succeeds. The difference in
+  success rate comes with a 95% bootstrap interval over the seeds: how large a gain or loss
+  the seeds are consistent with, which a p value alone does not say.
 - **prediction** (`eval`): each seed's block and agent errors, PSNR and T shape at the
   report horizons (the report's `per_seed`). Per KV mode and horizon: the means of both
   sides over the seeds where both found the object, the mean difference with a 95%
@@ -278,7 +280,7 @@ def compare(a: Side, b: Side, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 
         "b": {"spec": b.spec, "reports": b.paths, "settings": b.settings},
     }
     if a.kind == "plan":
-        out.update(_compare_plans(a, b))
+        out.update(_compare_plans(a, b, resamples, seed))
     else:
         common = [h for h in a.horizons if h in b.horizons]
         if not common:
@@ -294,13 +296,17 @@ def _paired_seeds(a: dict, b: dict) -> tuple[list[int], dict]:
     return seeds, {"only_a": len(set(a) - set(b)), "only_b": len(set(b) - set(a))}
 
 
-def _compare_plans(a: Side, b: Side) -> dict:
+def _compare_plans(a: Side, b: Side, resamples: int, seed: int) -> dict:
     seeds, unpaired = _paired_seeds(a.by_seed, b.by_seed)
     both = [s for s in seeds if a.by_seed[s]["success"] and b.by_seed[s]["success"]]
     only_a = [s for s in seeds if a.by_seed[s]["success"] and not b.by_seed[s]["success"]]
     only_b = [s for s in seeds if b.by_seed[s]["success"] and not a.by_seed[s]["success"]]
     steps = np.array([b.by_seed[s]["steps"] - a.by_seed[s]["steps"] for s in both], dtype=float)
+    # Per seed: +1 where B alone reached the goal, -1 where A alone did, 0 otherwise.
+    gained = np.array([bool(b.by_seed[s]["success"]) - bool(a.by_seed[s]["success"]) for s in seeds], float)
     return {
+        "success_difference": float(gained.mean()),
+        "success_difference_interval": bootstrap_interval(gained, resamples, seed),
         "seeds": len(seeds),
         "unpaired_seeds": unpaired,
         "success_a": len(both) + len(only_a),
@@ -442,10 +448,21 @@ def _plan_table(result: dict) -> list[str]:
         f"{result['success_b']} ({result['success_b'] / n:.0%}) | {result['both']} | "
         f"{len(result['only_a'])} | {len(result['only_b'])} | {result['neither']} | {_p(result['p'])} |",
     ]
+    low, high = result["success_difference_interval"]
+    if not math.isnan(low):
+        lines.append(
+            f"\nsuccess rate, B - A: {_points(result['success_difference'])} points "
+            f"(95% interval {_points(low)} to {_points(high)}, bootstrap over the seeds)"
+        )
     if result["steps_difference_when_both"] is not None:
         steps = round(result["steps_difference_when_both"], 1) + 0.0  # no "-0.0"
         lines.append(f"\nsteps to the goal, B - A, over the goals both reached: {steps:+.1f}")
     return lines
+
+
+def _points(share: float) -> str:
+    """A difference of two success rates in percentage points, signed, without "-0.0"."""
+    return f"{round(100 * share, 1) + 0.0:+.1f}"
 
 
 def _prediction_table(result: dict, metrics: tuple[str, ...]) -> list[str]:

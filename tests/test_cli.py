@@ -357,6 +357,71 @@ def test_every_command_explains_every_option():
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
 
 
+def _command_lines(text: str) -> list[tuple[int, str, str]]:
+    """Each `streamworld COMMAND ...` in a Markdown text: (its line, the command, the rest of
+    it up to the end of its code span, comment or table cell), a shell command continued
+    over several lines read as one."""
+    import re
+
+    found, lines = [], text.splitlines()
+    n = 0
+    while n < len(lines):
+        first, line = n + 1, lines[n]
+        while line.endswith("\\") and n + 1 < len(lines):
+            n += 1
+            line = line[:-1] + " " + lines[n].strip()
+        for m in re.finditer(r"(?<![\w/.-])streamworld ([a-z][\w-]*)([^`\n#|]*)", line):
+            found.append((first, m.group(1), m.group(2)))
+        n += 1
+    return found
+
+
+def test_the_docs_name_only_flags_their_commands_have():
+    """README.md and docs/ give commands to copy: every `--flag` they write after a
+    `streamworld` command is one that command (or its subcommand) accepts, so a flag renamed
+    or removed cannot leave a stale line behind."""
+    import argparse
+    from pathlib import Path
+
+    from streamworld.cli import build_parser
+
+    def commands_of(parser):
+        return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    checked, unknown = 0, []
+    for path in files:
+        for line, command, rest in _command_lines(path.read_text()):
+            parser = commands_of(build_parser()).get(command)
+            if parser is None:
+                continue  # prose ("streamworld serves ...") or another program
+            words = rest.split()
+            while words and words[0] in commands_of(parser):
+                parser = commands_of(parser)[words.pop(0)]
+            for flag in (w.split("=")[0] for w in words if w.startswith("--") and len(w) > 2):
+                flag = flag.rstrip(".,;:)'\"")
+                checked += 1
+                if flag not in parser._option_string_actions:
+                    unknown.append(f"{path.relative_to(root)}:{line}: streamworld {command} {flag}")
+    assert checked > 500, "the docs' commands were not found"
+    assert not unknown, "flags the commands do not have:\n" + "\n".join(unknown)
+
+
+def test_the_docs_command_reader_finds_commands_in_code_tables_and_continuations():
+    text = (
+        "Run `streamworld eval pusht --plan --seeds 0-4` or\n"
+        "```bash\nstreamworld train pusht --data D \\\n    --compile   # a comment --not-a-flag\n```\n"
+        "| `streamworld serve --port 0` | --cell |\nstreamworld serves streams.\n"
+    )
+    assert _command_lines(text) == [
+        (1, "eval", " pusht --plan --seeds 0-4"),
+        (3, "train", " pusht --data D  --compile   "),
+        (6, "serve", " --port 0"),
+        (7, "serves", " streams."),
+    ]
+
+
 def test_bench_flags_become_one_engine_config_and_the_json_keeps_the_old_keys():
     from streamworld.cli import build_parser
     from streamworld.cli.bench import bench_config

@@ -357,10 +357,24 @@ def test_every_command_explains_every_option():
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
 
 
-def _command_lines(text: str) -> list[tuple[int, str, str]]:
-    """Each `streamworld COMMAND ...` in a Markdown text: (its line, the command, the rest of
-    it up to the end of its code span, comment or table cell), a shell command continued
-    over several lines read as one."""
+DOCS = ("README.md", "docs/**/*.md", "examples/*.md", "loadtests/*.md")
+# A command's words run to the end of its code span, shell comment or table cell.
+STREAMWORLD_COMMAND = r"(?<![\w/.-])streamworld ([a-z][\w-]*)([^`\n#|]*)"
+SCRIPT_COMMAND = (
+    r"python3? (?:-m )?((?:benchmarks|examples|loadtests)[/.][\w/]+?)(?:\.py)?(\s[^`\n#|]*|(?=[`#|]|$))"
+)
+
+
+def _doc_files() -> list:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return [path for pattern in DOCS for path in sorted(root.glob(pattern))]
+
+
+def _commands(text: str, pattern: str) -> list[tuple[int, str, str]]:
+    """Each match of `pattern` (two groups: the program, the rest) in a Markdown text, as
+    (its line, group 1, group 2), a shell command continued over lines read as one."""
     import re
 
     found, lines = [], text.splitlines()
@@ -370,42 +384,108 @@ def _command_lines(text: str) -> list[tuple[int, str, str]]:
         while line.endswith("\\") and n + 1 < len(lines):
             n += 1
             line = line[:-1] + " " + lines[n].strip()
-        for m in re.finditer(r"(?<![\w/.-])streamworld ([a-z][\w-]*)([^`\n#|]*)", line):
-            found.append((first, m.group(1), m.group(2)))
+        found += [(first, m.group(1), m.group(2)) for m in re.finditer(pattern, line)]
         n += 1
     return found
 
 
+def _flags(words: list[str]) -> list[str]:
+    """The `--flags` among a command's words, up to a `--` after which they go to another
+    program."""
+    if "--" in words:
+        words = words[: words.index("--")]
+    return [w.split("=")[0].rstrip(".,;:)'\"") for w in words if w.startswith("--") and len(w) > 2]
+
+
+def _options(parser) -> set[str]:
+    """A parser's option strings, and those of its subcommands."""
+    import argparse
+
+    options = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options |= _options(sub)
+    return options
+
+
 def test_the_docs_name_only_flags_their_commands_have():
-    """README.md and docs/ give commands to copy: every `--flag` they write after a
+    """The README and the docs give commands to copy: every `--flag` they write after a
     `streamworld` command is one that command (or its subcommand) accepts, so a flag renamed
     or removed cannot leave a stale line behind."""
     import argparse
-    from pathlib import Path
 
     from streamworld.cli import build_parser
 
     def commands_of(parser):
         return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
 
-    root = Path(__file__).resolve().parents[1]
-    files = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     checked, unknown = 0, []
-    for path in files:
-        for line, command, rest in _command_lines(path.read_text()):
+    for path in _doc_files():
+        for line, command, rest in _commands(path.read_text(), STREAMWORLD_COMMAND):
             parser = commands_of(build_parser()).get(command)
             if parser is None:
-                continue  # prose ("streamworld serves ...") or another program
+                continue  # prose ("streamworld serves ...")
             words = rest.split()
             while words and words[0] in commands_of(parser):
                 parser = commands_of(parser)[words.pop(0)]
-            for flag in (w.split("=")[0] for w in words if w.startswith("--") and len(w) > 2):
-                flag = flag.rstrip(".,;:)'\"")
+            for flag in _flags(words):
                 checked += 1
                 if flag not in parser._option_string_actions:
-                    unknown.append(f"{path.relative_to(root)}:{line}: streamworld {command} {flag}")
+                    unknown.append(f"{path.name}:{line}: streamworld {command} {flag}")
     assert checked > 500, "the docs' commands were not found"
     assert not unknown, "flags the commands do not have:\n" + "\n".join(unknown)
+
+
+def test_the_docs_name_only_scripts_that_exist_with_flags_they_have(monkeypatch):
+    """The same for `python benchmarks/X.py`, `python examples/X.py` and
+    `python -m loadtests.X`: the script exists and takes each flag written after it. Each
+    script runs as `__main__` until it builds its parser, which is then read instead of
+    parsing anything."""
+    import argparse
+    import runpy
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    class Built(Exception):
+        pass
+
+    def read_instead(parser, *args, **kwargs):
+        raise Built(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", read_instead)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", read_instead)
+    monkeypatch.chdir(root)
+
+    def options_of(script: str) -> set[str]:
+        monkeypatch.setattr(sys, "argv", [script])
+        monkeypatch.setattr(sys, "path", [str(root / Path(script).parent), str(root), *sys.path])
+        try:
+            if script.startswith("loadtests/"):
+                runpy.run_module(script.removesuffix(".py").replace("/", "."), run_name="__main__")
+            else:
+                runpy.run_path(script, run_name="__main__")
+        except Built as built:
+            return _options(built.args[0])
+        raise AssertionError(f"{script} ran to its end without building a parser")
+
+    options, checked, unknown = {}, 0, []
+    for path in _doc_files():
+        for line, name, rest in _commands(path.read_text(), SCRIPT_COMMAND):
+            script = name.replace(".", "/") + ".py"
+            if not (root / script).is_file():
+                unknown.append(f"{path.name}:{line}: no script {script}")
+                continue
+            if script not in options:
+                options[script] = options_of(script)
+            for flag in _flags(rest.split()):
+                checked += 1
+                if flag not in options[script]:
+                    unknown.append(f"{path.name}:{line}: {script} {flag}")
+    assert len(options) > 10 and checked > 100, "the docs' scripts were not found"
+    assert not unknown, "scripts or flags that do not exist:\n" + "\n".join(unknown)
 
 
 def test_the_docs_command_reader_finds_commands_in_code_tables_and_continuations():
@@ -413,13 +493,19 @@ def test_the_docs_command_reader_finds_commands_in_code_tables_and_continuations
         "Run `streamworld eval pusht --plan --seeds 0-4` or\n"
         "```bash\nstreamworld train pusht --data D \\\n    --compile   # a comment --not-a-flag\n```\n"
         "| `streamworld serve --port 0` | --cell |\nstreamworld serves streams.\n"
+        "python benchmarks/plan_cost.py --json x -- --other; `python -m loadtests.run`\n"
     )
-    assert _command_lines(text) == [
+    assert _commands(text, STREAMWORLD_COMMAND) == [
         (1, "eval", " pusht --plan --seeds 0-4"),
         (3, "train", " pusht --data D  --compile   "),
         (6, "serve", " --port 0"),
         (7, "serves", " streams."),
     ]
+    assert _commands(text, SCRIPT_COMMAND) == [
+        (8, "benchmarks/plan_cost", " --json x -- --other; "),
+        (8, "loadtests.run", ""),
+    ]
+    assert _flags(["--json", "x", "--", "--other;"]) == ["--json"]
 
 
 def test_bench_flags_become_one_engine_config_and_the_json_keeps_the_old_keys():

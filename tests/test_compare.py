@@ -142,7 +142,12 @@ def test_plans_are_paired_by_seed_across_split_reports(tmp_path, capsys):
     assert f"success rate, B - A: +20.0 points (95% interval {100 * low:+.1f} to {100 * high:+.1f}" in text
     assert json.loads(out.read_text())["only_b"] == [6, 7, 8, 9]
     # A side against itself: no difference, and an interval that is that point
-    assert compare(load_side(b), load_side(b))["success_difference_interval"] == (0.0, 0.0)
+    assert compare(load_side(b), load_side(b))["success_difference_interval"] == [0.0, 0.0]
+    # One seed in common: no interval, in the JSON as null and none printed
+    one = write(tmp_path, "one.json", plan_report({3: False}))
+    single = compare(load_side(",".join(a)), load_side(one))
+    assert single["success_difference"] == -1.0 and single["success_difference_interval"] is None
+    assert "success rate" not in format_comparison(single)
 
 
 def test_predictions_are_compared_per_horizon_with_lost_blocks_left_out(tmp_path):

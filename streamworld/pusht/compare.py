@@ -304,9 +304,10 @@ def _compare_plans(a: Side, b: Side, resamples: int, seed: int) -> dict:
     steps = np.array([b.by_seed[s]["steps"] - a.by_seed[s]["steps"] for s in both], dtype=float)
     # Per seed: +1 where B alone reached the goal, -1 where A alone did, 0 otherwise.
     gained = np.array([bool(b.by_seed[s]["success"]) - bool(a.by_seed[s]["success"]) for s in seeds], float)
+    low, high = bootstrap_interval(gained, resamples, seed)
     return {
         "success_difference": float(gained.mean()),
-        "success_difference_interval": bootstrap_interval(gained, resamples, seed),
+        "success_difference_interval": None if math.isnan(low) else [low, high],  # None: one seed
         "seeds": len(seeds),
         "unpaired_seeds": unpaired,
         "success_a": len(both) + len(only_a),
@@ -448,8 +449,8 @@ def _plan_table(result: dict) -> list[str]:
         f"{result['success_b']} ({result['success_b'] / n:.0%}) | {result['both']} | "
         f"{len(result['only_a'])} | {len(result['only_b'])} | {result['neither']} | {_p(result['p'])} |",
     ]
-    low, high = result["success_difference_interval"]
-    if not math.isnan(low):
+    if result["success_difference_interval"] is not None:
+        low, high = result["success_difference_interval"]
         lines.append(
             f"\nsuccess rate, B - A: {_points(result['success_difference'])} points "
             f"(95% interval {_points(low)} to {_points(high)}, bootstrap over the seeds)"

@@ -149,6 +149,14 @@ def _add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
         "rounding; the first step compiles (45 s on an H200). Needs Triton on a GPU, a C++ compiler "
         "on the CPU. The forwards of --unroll-share stay eager",
     )
+    group.add_argument(
+        "--compile-cache",
+        metavar="FILE",
+        help="with --compile: read the kernels compiled by an earlier run from FILE, if it exists, "
+        "and write this run's there at the end, so that a machine whose compile caches are empty "
+        "compiles less (docs/pusht.md). The file holds pickled objects and compiled code: use only "
+        "one you made",
+    )
     group.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
 
 
@@ -463,6 +471,9 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
     if workdir.exists() and not workdir.is_dir():
         raise UsageError(f"--workdir: {workdir} is a file")
     arguments.check_output_folder("--out", args.out)
+    if args.compile_cache is not None and not args.compile:
+        raise UsageError("--compile-cache needs --compile: without it nothing is compiled")
+    arguments.check_output_folder("--compile-cache", args.compile_cache)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -485,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:  # a resume with other settings is refused before any data is recorded
         check_resume(workdir / "checkpoint.pt", None, config, train_config, run_settings)
+        read = _load_compile_cache(args.compile_cache)
         data = prepare_data(data_dir, spec, workers=args.workers)
         if args.init is not None and not Path(args.init).is_file():
             raise UsageError(f"--init: {args.init} does not exist")
@@ -495,6 +507,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     with _stop_on_signals(trainer):  # through the export: a signal then changes nothing
         summary = trainer.run(args.minutes)
+        if args.compile_cache:
+            written = _save_compile_cache(args.compile_cache)
+            summary["compile_cache"] = {"read_bytes": read, "written_bytes": written}
         out = trainer.export(args.out or workdir / f"{args.model}.safetensors")
         summary["weights"] = str(out)
         summary["weights_bytes"] = out.stat().st_size
@@ -512,6 +527,36 @@ def run(args: argparse.Namespace) -> int:
             "run the same command again to resume"
         )
     return 0
+
+
+def _load_compile_cache(path: str | None) -> int | None:
+    """--compile-cache: the kernels of an earlier run handed to torch.compile; the bytes
+    read, or None (no file yet, or not one torch could read: this run compiles them)."""
+    from .. import compile_cache
+
+    if path is None:
+        return None
+    try:
+        read = compile_cache.load(path)
+    except ValueError as e:
+        raise UsageError(f"--compile-cache: {e}") from None
+    if read is None:
+        what = "no kernels read from it" if Path(path).is_file() else "not there yet"
+        print(f"compile cache {path}: {what}; this run compiles them and writes it at the end")
+    else:
+        print(f"compile cache {path}: read {read / 1e6:.1f} MB of compiled kernels")
+    return read
+
+
+def _save_compile_cache(path: str) -> int | None:
+    from .. import compile_cache
+
+    written = compile_cache.save(path)
+    if written is None:
+        print(f"compile cache {path}: nothing was compiled, left as it was")
+    else:
+        print(f"compile cache {path}: wrote {written / 1e6:.1f} MB of compiled kernels")
+    return written
 
 
 @contextlib.contextmanager

@@ -116,3 +116,40 @@ def test_train_cli_refuses_a_compile_cache_without_compile_or_its_folder(tmp_pat
     assert cli_main([*flags, "--compile", "--compile-cache", str(tmp_path / "no" / "k.bin")]) == 2
     assert "--compile-cache: folder" in capsys.readouterr().err
     assert not (tmp_path / "work" / "data").exists()
+
+
+def test_the_benchmark_pairs_runs_without_and_with_the_file_and_reports_the_pairs_ratio(
+    tmp_path, monkeypatch
+):
+    """`benchmarks/compile_cache.py` without training: a first run writes the file, then each
+    pair runs without it and with it, in that order, and the report's ratio is the median
+    of the pairs' ratios."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_cache.py"
+    spec = importlib.util.spec_from_file_location("compile_cache_benchmark", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    runs, seconds = [], iter([0.0, 10.0, 4.0, 20.0, 12.0, 10.0, 9.0])
+
+    def train(base, work, cache):
+        runs.append(cache.name if cache else None)
+        assert "--compile" in base and "--smoke" in base and "--total-steps" in base
+        if cache is not None and not cache.exists():
+            cache.write_bytes(b"k" * 7)
+        return next(seconds)
+
+    monkeypatch.setattr(bench, "_train", train)
+    out = tmp_path / "report.json"
+    assert bench.main(["--pairs", "3", "--json", str(out)]) == 0
+    assert runs == ["kernels.bin", None, "kernels.bin", None, "kernels.bin", None, "kernels.bin"]
+    report = json.loads(out.read_text())
+    assert report["pairs"] == [
+        {"without_cache_s": 10.0, "with_cache_s": 4.0},
+        {"without_cache_s": 20.0, "with_cache_s": 12.0},
+        {"without_cache_s": 10.0, "with_cache_s": 9.0},
+    ]
+    assert report["median_ratio"] == 0.6  # of 0.4, 0.6 and 0.9
+    medians = (report["median_without_s"], report["median_with_cache_s"])
+    assert medians == (10.0, 9.0) and report["cache_bytes"] == 7

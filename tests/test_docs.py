@@ -49,13 +49,15 @@ def _flags(words: list[str]) -> list[str]:
     return [w.split("=")[0].rstrip(".,;:)'\"") for w in words if w.startswith("--") and len(w) > 2]
 
 
-def _options(parser) -> set[str]:
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
     """A parser's option strings, and those of its subcommands."""
     options = set(parser._option_string_actions)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                options |= _options(sub)
+    for sub in _subcommands(parser).values():
+        options |= _options(sub)
     return options
 
 
@@ -64,18 +66,16 @@ def test_the_docs_name_only_flags_their_commands_have():
     its subcommand) accepts."""
     from streamworld.cli import build_parser
 
-    def commands_of(parser):
-        return next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), {})
-
+    commands = _subcommands(build_parser())
     checked, unknown = 0, []
     for path in _doc_files():
         for line, command, rest in _commands(path.read_text(), STREAMWORLD_COMMAND):
-            parser = commands_of(build_parser()).get(command)
+            parser = commands.get(command)
             if parser is None:
                 continue  # prose ("streamworld serves ...")
             words = rest.split()
-            while words and words[0] in commands_of(parser):
-                parser = commands_of(parser)[words.pop(0)]
+            while words and words[0] in _subcommands(parser):
+                parser = _subcommands(parser)[words.pop(0)]
             for flag in _flags(words):
                 checked += 1
                 if flag not in parser._option_string_actions:

@@ -477,14 +477,13 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pusht.train import Trainer, check_resume, check_state_layer, check_unroll, prepare_data
+    from ..pusht.train import Trainer, check_resume, check_train_config, prepare_data
 
     workdir = Path(args.workdir)
     _check(args, workdir)
     config, spec, train_config, device = _configs(args)
     try:  # before any data is recorded
-        check_unroll(train_config)
-        check_state_layer(train_config, config)
+        check_train_config(train_config, config)
     except ValueError as e:
         raise UsageError(str(e)) from None
     data_dir = Path(args.data) if args.data else workdir / "data"

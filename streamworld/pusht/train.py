@@ -347,8 +347,12 @@ def _check_state_probe(cfg: TrainConfig) -> None:
         raise ValueError("--state-turn-weight weighs the change's turn: give --state-target change")
 
 
-def check_state_layer(cfg: TrainConfig, model_config: ModelConfig) -> None:
-    """ValueError where `cfg.state_layer` names a block the model does not have."""
+def check_train_config(cfg: TrainConfig, model_config: ModelConfig) -> None:
+    """ValueError where `cfg` cannot train `model_config`: the unrolled objective and its
+    adversarial term (`check_unroll`), the state probe's settings, and a `state_layer` the
+    model has no block for."""
+    check_unroll(cfg)
+    _check_state_probe(cfg)
     layers = model_config.num_layers
     if cfg.state_layer is not None and cfg.state_layer > layers:
         raise ValueError(f"--state-layer {cfg.state_layer}: the model has {layers} blocks")
@@ -376,7 +380,6 @@ def check_unroll(cfg: TrainConfig) -> None:
             if getattr(cfg, name) != getattr(TrainConfig, name):
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag} applies to the adversarial term: give --adversarial-weight too")
-    _check_state_probe(cfg)
     if cfg.unroll_share == 0:
         if cfg.unroll_loss != "l2":
             raise ValueError("--unroll-loss applies to the unrolled objective: give --unroll-share too")
@@ -853,7 +856,7 @@ class Trainer:
         init: str | Path | None = None,
         run_settings: dict | None = None,
     ) -> None:
-        check_unroll(train_config)
+        check_train_config(train_config, model_config)
         self.mcfg = model_config
         self.cfg = train_config
         # What else defines the run (the CLI's data spec and start weights): kept in the
@@ -928,7 +931,6 @@ class Trainer:
                 "--state-weight needs the recorded scenes (states.npy), which this data set was "
                 "recorded without: record it again into a new --data folder"
             )
-        check_state_layer(self.cfg, self.mcfg)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.cfg.seed)
             probe = StateProbe(self.dit.dim, self.dit.tokens_per_frame)

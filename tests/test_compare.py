@@ -366,12 +366,9 @@ def test_the_plan_breakdown_splits_goals_by_what_the_task_asks(tmp_path, capsys)
     """benchmarks/plan_breakdown.py: each task lands in one bin of each split (turns only
     for goals that move the block), and each side's goals are counted in their task's bin,
     over the seeds every side has."""
-    import importlib.util
+    from tests.conftest import load_script
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "plan_breakdown.py"
-    spec = importlib.util.spec_from_file_location("plan_breakdown", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/plan_breakdown.py")
     demands = {s: bench.task_demands(s, 25) for s in range(12)}
     assert {move < 1 for move, _ in demands.values()} == {True, False}  # both kinds of goal
     assert all(0 <= turn <= 180 for _, turn in demands.values())

@@ -124,13 +124,9 @@ def test_the_benchmark_pairs_runs_without_and_with_the_file_and_reports_the_pair
     """`benchmarks/compile_cache.py` without training: a first run writes the file, then each
     pair runs without it and with it, in that order, and the report's ratio is the median
     of the pairs' ratios."""
-    import importlib.util
-    from pathlib import Path
+    from tests.conftest import load_script
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_cache.py"
-    spec = importlib.util.spec_from_file_location("compile_cache_benchmark", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/compile_cache.py")
     runs, seconds = [], iter([0.0, 10.0, 4.0, 20.0, 12.0, 10.0, 9.0])
 
     def train(base, work, cache):

@@ -3,20 +3,18 @@ on cached rollouts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "discriminator_check.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("discriminator_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/discriminator_check.py")
 
 
 @pytest.mark.slow

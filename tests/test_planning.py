@@ -28,6 +28,7 @@ from streamworld.pusht.planning import (
     surprised,
 )
 from streamworld.pusht.world import PushTWorld, Scene
+from tests.conftest import load_script
 
 
 def test_cem_finds_the_action_sequence_a_known_cost_wants():
@@ -760,11 +761,7 @@ def test_the_plan_cost_benchmark_times_both_cost_modes(tmp_path):
     bad = _benchmark(*cmd, "--repeats", "0")
     assert bad.returncode == 2 and "--repeats and --fork must be at least 1" in bad.stderr
     # The default: NumPy frame by frame on the host, as `eval --plan` on a CPU.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("plan_cost", BENCHMARKS / "plan_cost.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/plan_cost.py")
     rows = bench.measure(2, 3, 1)
     assert set(rows) == set(COST_FRAMES) and all(row["seconds_per_plan"] > 0 for row in rows.values())
 
@@ -809,12 +806,7 @@ def test_the_plan_throughput_benchmark_times_each_fork_size(tmp_path):
 
 
 def _load_benchmark(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{name}.py")
 
 
 def test_the_plan_ranking_benchmark_finds_the_pick_the_truths_best_and_the_regret():

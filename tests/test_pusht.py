@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
@@ -26,6 +25,7 @@ from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, ps
 from streamworld.pusht.policy import ScriptedPolicy
 from streamworld.pusht.world import PushTWorld, block_mask, initial_frame, locate, palette_weights
 from streamworld.server.app import ServerConfig, StreamWorldServer
+from tests.conftest import load_script
 from tests.test_engine import assert_matches, collect, engine_config
 from tests.test_server import RunningServer
 
@@ -654,10 +654,7 @@ async def test_session_without_image_starts_from_the_environment_of_its_seed(pus
 
 def _example(name: str):
     """An example script of examples/, imported as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"examples/{name}.py")
 
 
 async def test_robot_loop_example_runs_against_a_server(pusht_server, tmp_path, capsys):

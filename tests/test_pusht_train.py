@@ -713,14 +713,11 @@ def test_the_train_speed_benchmark_counts_and_times_the_unrolled_objective(tmp_p
     """benchmarks/pusht_train_speed.py: a variant's sixth field is its unroll share; the
     model FLOPs of a step add the unrolled clips' forwards (`unroll_layouts`) to the
     teacher-forced clips' (the timings belong to the benchmark, not to this test)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pusht_train_speed.py"
-    spec = importlib.util.spec_from_file_location("pusht_train_speed", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.conftest import load_script
+
+    bench = load_script("benchmarks/pusht_train_speed.py")
     cfg = bench.variant_config(6, 6, 768)
     taught, unrolled, half = (bench.model_flops(cfg, 4, 5, u) for u in (0, 4, 2))
     assert half == pytest.approx((taught + unrolled) / 2) and unrolled != pytest.approx(taught)

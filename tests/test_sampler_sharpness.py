@@ -4,9 +4,6 @@ forcing exactly (CPU, the smoke-sized PushT delta model)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -16,14 +13,11 @@ from streamworld.models.world_model import WorldModel
 from streamworld.pusht.evaluate import record_eval_episode, true_latents
 from streamworld.pusht.train import smoke_config
 from streamworld.pusht.world import locate
+from tests.conftest import load_script
 
 
 def _bench():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sampler_sharpness.py"
-    spec = importlib.util.spec_from_file_location("sampler_sharpness", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("benchmarks/sampler_sharpness.py")
 
 
 def _model() -> WorldModel:

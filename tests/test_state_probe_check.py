@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import load_script
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "state_probe_check.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("state_probe_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/state_probe_check.py")
 
 
 def test_the_score_sets_the_probe_against_no_change_since_the_frame_before_the_chunk():

@@ -61,6 +61,12 @@ def parse_start(text: str) -> tuple[str, float, float]:
     return kind, px, deg
 
 
+def start_name(text: str) -> str:
+    """`text`, once `parse_start` accepts it (the report names each start as given)."""
+    parse_start(text)
+    return text
+
+
 def start_scene(kind: str, px: float, deg: float, true: Scene, first_frame: np.ndarray, rng) -> Scene | None:
     """The scene a rollout starts from (None where the first frame shows no T to read)."""
     if kind == "true":
@@ -183,6 +189,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--start",
         dest="starts",
+        type=start_name,
         action="append",
         help="true, seen or jitter:PX,DEG, repeatable; default: " + "; ".join(DEFAULT_STARTS),
     )
@@ -195,11 +202,6 @@ def main() -> None:
     parser = make_parser()
     args = parser.parse_args()
     args.starts = args.starts or list(DEFAULT_STARTS)
-    for s in args.starts:
-        try:
-            parse_start(s)
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"--start: {e}")
     if args.json and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist")
     report = run(args)

@@ -54,3 +54,10 @@ def test_the_report_names_each_start_and_counts_its_rollouts():
 def test_a_bad_start_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         floor.parse_start(text)
+
+
+def test_the_command_line_refuses_a_bad_start_and_keeps_good_ones_by_name():
+    parser = floor.make_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--start", "jitter:1"])
+    assert parser.parse_args(["--start", "seen", "--start", "jitter:1,2"]).starts == ["seen", "jitter:1,2"]

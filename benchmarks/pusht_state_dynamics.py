@@ -1,0 +1,299 @@
+"""Can PushT's pushes be learned from the training data at all? A small network that
+predicts the scene (the agent's place, the block's pose) instead of frames, trained on
+the same kind of data, rolled out free-running as `streamworld eval` rolls the world model.
+
+The world model's block is 4.48 px off at 32 frames (`pusht-delta`, one step), while the
+true physics started from what the first frame shows is 0.94 px off
+(`benchmarks/pusht_physics_floor.py`). Between them lies learning the pushes. This script
+asks how far a model gets that is given the scene itself, exactly, with the strongest
+help a state model can have: each step's input is the agent's place and velocity and the
+action's target in the block's own frame (so a push looks the same wherever the block
+is), and it predicts one step's change of the block's pose (in that frame) and of the
+agent's place. It is trained with a squared error on episodes recorded as `train pusht`
+records them (`--push-share`, scenes only, no frames drawn), then rolled out from each eval
+episode's exact start under its actions for 32 steps; the scenes it predicts are drawn by
+the environment and scored with `evaluate.frame_metrics`, as the physics floor's are.
+
+If such a model, which never has to draw or read a frame, stays far above the floor, the
+pushes are what is hard to learn from this much data, whatever draws the frames; if it
+comes near, a world model that carries the block's pose (and draws the block from it)
+is worth building.
+
+    python benchmarks/pusht_state_dynamics.py --json state_dynamics.json
+
+About 5 minutes on a 2-core CPU with the defaults (recording 1,500 episodes, 20,000 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
+from streamworld.pusht.evaluate import block_angle, frame_metrics, parse_seeds, record_eval_episode
+from streamworld.pusht.pose import place
+from streamworld.pusht.world import PushTWorld, Scene, angle_error
+
+HORIZONS = (8, 16, 24, 32)
+SIZE = 64
+INPUTS, OUTPUTS = 8, 5
+
+
+def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray]:
+    """One training episode's scenes [steps + 1, 5] and actions [steps, 2], the frames not
+    drawn (the same seeds and policy as `data.record_episode`)."""
+    from streamworld.pusht.policy import ScriptedPolicy
+
+    index, spec = args
+    seed = spec.episode_seed(index)
+    world = PushTWorld(SIZE)
+    policy = ScriptedPolicy(seed, spec.push_share, spec.jump_share)
+    world.reset(seed)
+    scenes, actions = [scene_row(world.scene)], []
+    for _ in range(spec.steps):
+        actions.append(policy(world.scene))
+        world.advance(actions[-1])
+        scenes.append(scene_row(world.scene))
+    world.close()
+    return np.asarray(scenes, np.float64), np.asarray(actions, np.float64)
+
+
+def _rotate(x: np.ndarray, y: np.ndarray, angle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    c, s = np.cos(angle), np.sin(angle)
+    return c * x + s * y, -s * x + c * y  # into a frame turned by `angle`
+
+
+def features(before: np.ndarray, now: np.ndarray, action: np.ndarray) -> np.ndarray:
+    """[N, 8]: the agent's place and last step's move, and the action's target, in the
+    block's frame (world units / 100), and the block's last turn (radians)."""
+    bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
+    ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
+    vx, vy = _rotate(now[:, 0] - before[:, 0], now[:, 1] - before[:, 1], ba)
+    tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
+    bvx, bvy = _rotate(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3], ba)
+    turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
+    return np.stack(
+        [ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, np.hypot(bvx, bvy) / 10, turn * 10], 1
+    )
+
+
+def targets(now: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """[N, 5]: one step's change of the block (x, y in its frame, world units; turn, in
+    centiradians) and of the agent (in the block's frame), scaled to about unit size."""
+    ba = now[:, 4]
+    dbx, dby = _rotate(after[:, 2] - now[:, 2], after[:, 3] - now[:, 3], ba)
+    dax, day = _rotate(after[:, 0] - now[:, 0], after[:, 1] - now[:, 1], ba)
+    turn = (after[:, 4] - now[:, 4] + math.pi) % (2 * math.pi) - math.pi
+    return np.stack([dbx, dby, turn * 100, dax / 10, day / 10], 1)
+
+
+def apply(now: np.ndarray, change: np.ndarray) -> np.ndarray:
+    """The scene after `change` (`targets`' units) from `now` [N, 5]."""
+    ba = now[:, 4]
+    c, s = np.cos(ba), np.sin(ba)
+    dbx, dby, turn, dax, day = change.T
+    out = now.copy()
+    out[:, 2] += c * dbx - s * dby
+    out[:, 3] += s * dbx + c * dby
+    out[:, 4] += turn / 100
+    out[:, 0] += c * dax * 10 - s * day * 10
+    out[:, 1] += s * dax * 10 + c * day * 10
+    return out
+
+
+def make_net(width: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(INPUTS, width),
+        nn.SiLU(),
+        nn.Linear(width, width),
+        nn.SiLU(),
+        nn.Linear(width, width),
+        nn.SiLU(),
+        nn.Linear(width, OUTPUTS),
+    )
+
+
+def train(
+    scenes: list[np.ndarray], actions: list[np.ndarray], steps: int, width: int, seed: int, progress: bool
+):
+    from tqdm import tqdm
+
+    x, y = [], []
+    for s, a in zip(scenes, actions, strict=True):
+        before = np.concatenate([s[:1], s[:-2]])  # the first step has no move before it
+        x.append(features(before, s[:-1], a))
+        y.append(targets(s[:-1], s[1:]))
+    x_all = torch.tensor(np.concatenate(x), dtype=torch.float32)
+    y_all = torch.tensor(np.concatenate(y), dtype=torch.float32)
+    scale = y_all.std(0).clamp_min(1e-3)
+    torch.manual_seed(seed)
+    net = make_net(width)
+    peak, warm = 2e-3, max(1, steps // 20)
+    opt = torch.optim.AdamW(net.parameters(), lr=peak, weight_decay=1e-4)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for step in tqdm(range(steps), desc="training the scene model", unit="step", disable=not progress):
+        for group in opt.param_groups:  # linear warm-up, then a cosine to zero
+            group["lr"] = peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        i = torch.randint(0, len(x_all), (1024,), generator=gen)
+        loss = ((net(x_all[i]) - y_all[i] / scale) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    net.eval()
+    return net, scale, float(np.mean(losses[-200:])), len(x_all)
+
+
+def roll_out(net: nn.Module, scale: torch.Tensor, start: np.ndarray, actions: np.ndarray) -> np.ndarray:
+    """Scenes [len(actions), 5] predicted from `start` (at rest) under `actions`."""
+    before, now, out = start[None], start[None], []
+    with torch.no_grad():
+        for a in actions:
+            change = net(torch.tensor(features(before, now, a[None]), dtype=torch.float32)) * scale
+            before, now = now, apply(now, change.numpy().astype(np.float64))
+            out.append(now[0])
+    return np.stack(out)
+
+
+def draw(world: PushTWorld, row: np.ndarray) -> np.ndarray:
+    scene = Scene((float(row[0]), float(row[1])), (float(row[2]), float(row[3]), float(row[4])))
+    place(world, scene, scene)
+    for shape in world.env.space.shapes:  # the drawing reads the shapes' cached places
+        shape.cache_bb()
+    return world.render()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tqdm import tqdm
+
+    spec = DatasetSpec(args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share)
+    started = time.perf_counter()
+    jobs = [(i, spec) for i in range(spec.episodes)]
+    if args.workers == 1:
+        recorded = [record_scenes(job) for job in tqdm(jobs, desc="recording scenes", unit="episode")]
+    else:
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            found = pool.imap(record_scenes, jobs, chunksize=8)
+            recorded = list(tqdm(found, total=len(jobs), desc="recording scenes", unit="episode"))
+    record_seconds = time.perf_counter() - started
+    net, scale, loss, samples = train(
+        [s for s, _ in recorded], [a for _, a in recorded], args.train_steps, args.width, args.seed, True
+    )
+    train_seconds = time.perf_counter() - started - record_seconds
+    world = PushTWorld(SIZE)
+    rows = []
+    for seed in tqdm(args.seeds, desc="rolling out", unit="seed"):
+        ep = record_eval_episode(seed, max(HORIZONS), SIZE)
+        world.reset(seed)
+        start = np.asarray(scene_row(world.scene), np.float64)
+        pred = roll_out(net, scale, start, ep.actions.astype(np.float64))
+        world.reset(0)
+        row = {}
+        for h in HORIZONS:
+            frame = draw(world, pred[h - 1])
+            row[h] = {
+                "block_px": frame_metrics(frame, ep.frames[h])["block_px"],
+                "block_deg": angle_error(block_angle(frame), ep.angles[h]),
+            }
+        rows.append(row)
+    world.close()
+    return {
+        "benchmark": "pusht_state_dynamics",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        "data": {
+            "episodes": spec.episodes,
+            "steps": spec.steps,
+            "seed": spec.seed,
+            "push_share": spec.push_share,
+        },
+        "model": {
+            "width": args.width,
+            "train_steps": args.train_steps,
+            "samples": samples,
+            "final_loss": round(loss, 5),
+        },
+        "seeds": [args.seeds[0], args.seeds[-1], len(args.seeds)],
+        "seconds": {"record": round(record_seconds, 1), "train": round(train_seconds, 1)},
+        "horizons": {
+            str(h): {
+                "block_px_mean": _mean([r[h]["block_px"] for r in rows]),
+                "block_px_median": _median([r[h]["block_px"] for r in rows]),
+                "block_deg_median": _median([r[h]["block_deg"] for r in rows]),
+            }
+            for h in HORIZONS
+        },
+    }
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)] or [math.nan]
+
+
+def _mean(values: list[float]) -> float:
+    return round(float(np.mean(_finite(values))), 3)
+
+
+def _median(values: list[float]) -> float:
+    return round(float(np.median(_finite(values))), 3)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--episodes", type=int, default=1500, help="training episodes to record (default 1500)"
+    )
+    parser.add_argument(
+        "--steps-per-episode", type=int, default=150, help="actions per episode (default 150)"
+    )
+    parser.add_argument("--data-seed", type=int, default=2, help="seed of the recorded episodes (default 2)")
+    parser.add_argument(
+        "--push-share",
+        type=float,
+        default=0.85,
+        help=f"the policy's share of pushes (default 0.85; data's {PUSH_SHARE})",
+    )
+    parser.add_argument(
+        "--train-steps", type=int, default=20000, help="training steps of 1024 samples (default 20000)"
+    )
+    parser.add_argument("--width", type=int, default=256, help="the network's width (default 256)")
+    parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    parser.add_argument("--workers", type=int, default=2, help="recording processes (default 2)")
+    parser.add_argument(
+        "--seeds", type=parse_seeds, default=parse_seeds("0-99"), help="eval episode seeds (default 0-99)"
+    )
+    parser.add_argument("--json", type=Path, help="write the report here")
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
+    args = parser.parse_args()
+    for name in ("episodes", "steps_per_episode", "train_steps", "width", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.steps_per_episode < 2:
+        parser.error("--steps-per-episode must be at least 2")
+    if args.json and not args.json.parent.is_dir():
+        parser.error(f"--json: the folder {args.json.parent} does not exist")
+    report = run(args)
+    print(json.dumps(report["horizons"], indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

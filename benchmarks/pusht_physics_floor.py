@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from streamworld.pusht.evaluate import block_angle, frame_metrics, parse_seeds, record_eval_episode
+from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
 from streamworld.pusht.pose import estimate_scene, place
-from streamworld.pusht.world import WORLD_SIZE, PushTWorld, Scene, angle_error
+from streamworld.pusht.world import WORLD_SIZE, PushTWorld, Scene
 
 HORIZONS = (8, 16, 24, 32)
 SIZE = 64  # the shipped models' frames
@@ -87,40 +87,6 @@ def roll_out(world: PushTWorld, scene: Scene, actions: np.ndarray) -> np.ndarray
     return np.stack([world.step(a) for a in actions])
 
 
-def score(frames: np.ndarray, ep) -> dict[int, dict[str, float]]:
-    out = {}
-    for h in HORIZONS:
-        m = frame_metrics(frames[h - 1], ep.frames[h])
-        out[h] = {
-            "block_px": m["block_px"],
-            "block_deg": angle_error(block_angle(frames[h - 1]), ep.angles[h]),
-        }
-    return out
-
-
-def summarise(rows: list[dict[int, dict[str, float]]]) -> dict[str, dict[str, float | None]]:
-    """Per horizon: the mean and median block error (px) and the median angle error (deg)."""
-
-    def finite(values):
-        v = [x for x in values if not math.isnan(x)]
-        return v or [math.nan]
-
-    out = {}
-    for h in HORIZONS:
-        px = finite([r[h]["block_px"] for r in rows])
-        deg = finite([r[h]["block_deg"] for r in rows])
-        out[str(h)] = {
-            "block_px_mean": _round(float(np.mean(px))),
-            "block_px_median": _round(float(np.median(px))),
-            "block_deg_median": _round(float(np.median(deg))),
-        }
-    return out
-
-
-def _round(value: float) -> float | None:
-    return None if math.isnan(value) else round(value, 3)
-
-
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
@@ -138,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
             if scene is None:
                 unread[name] += 1
                 continue
-            rows[name].append(score(roll_out(world, scene, ep.actions), ep))
+            rows[name].append(block_scores(roll_out(world, scene, ep.actions), ep, HORIZONS))
     world.close()
     return {
         "benchmark": "pusht_physics_floor",
@@ -152,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             name: {
                 "rollouts": len(rows[name]),
                 "unread_first_frames": unread[name],
-                "horizons": summarise(rows[name]),
+                "horizons": block_summary(rows[name], HORIZONS),
             }
             for name in args.starts
             if rows[name]

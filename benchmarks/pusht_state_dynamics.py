@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
-from streamworld.pusht.evaluate import block_angle, frame_metrics, parse_seeds, record_eval_episode
+from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
 from streamworld.pusht.pose import place
-from streamworld.pusht.world import PushTWorld, Scene, angle_error
+from streamworld.pusht.world import PushTWorld, Scene
 
 HORIZONS = (8, 16, 24, 32)
 SIZE = 64
@@ -174,40 +174,46 @@ def draw(world: PushTWorld, row: np.ndarray) -> np.ndarray:
     return world.render()
 
 
-def run(args: argparse.Namespace) -> dict:
+def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every training episode's (scenes, actions), in `workers` processes."""
     from tqdm import tqdm
 
-    spec = DatasetSpec(args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share)
-    started = time.perf_counter()
     jobs = [(i, spec) for i in range(spec.episodes)]
-    if args.workers == 1:
-        recorded = [record_scenes(job) for job in tqdm(jobs, desc="recording scenes", unit="episode")]
-    else:
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            found = pool.imap(record_scenes, jobs, chunksize=8)
-            recorded = list(tqdm(found, total=len(jobs), desc="recording scenes", unit="episode"))
-    record_seconds = time.perf_counter() - started
-    net, scale, loss, samples = train(
-        [s for s, _ in recorded], [a for _, a in recorded], args.train_steps, args.width, args.seed, True
-    )
-    train_seconds = time.perf_counter() - started - record_seconds
+    if workers == 1:
+        return [record_scenes(job) for job in tqdm(jobs, desc="recording scenes", unit="episode")]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        found = pool.imap(record_scenes, jobs, chunksize=8)
+        return list(tqdm(found, total=len(jobs), desc="recording scenes", unit="episode"))
+
+
+def score_rollouts(net: nn.Module, scale: torch.Tensor, seeds: list[int]) -> list[dict]:
+    """Per eval seed, `evaluate.block_scores` of the scenes rolled out from its exact start,
+    drawn by the environment."""
+    from tqdm import tqdm
+
     world = PushTWorld(SIZE)
     rows = []
-    for seed in tqdm(args.seeds, desc="rolling out", unit="seed"):
+    for seed in tqdm(seeds, desc="rolling out", unit="seed"):
         ep = record_eval_episode(seed, max(HORIZONS), SIZE)
         world.reset(seed)
         start = np.asarray(scene_row(world.scene), np.float64)
         pred = roll_out(net, scale, start, ep.actions.astype(np.float64))
         world.reset(0)
-        row = {}
-        for h in HORIZONS:
-            frame = draw(world, pred[h - 1])
-            row[h] = {
-                "block_px": frame_metrics(frame, ep.frames[h])["block_px"],
-                "block_deg": angle_error(block_angle(frame), ep.angles[h]),
-            }
-        rows.append(row)
+        rows.append(block_scores(np.stack([draw(world, row) for row in pred]), ep, HORIZONS))
     world.close()
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    spec = DatasetSpec(args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share)
+    started = time.perf_counter()
+    recorded = record(spec, args.workers)
+    record_seconds = time.perf_counter() - started
+    net, scale, loss, samples = train(
+        [s for s, _ in recorded], [a for _, a in recorded], args.train_steps, args.width, args.seed, True
+    )
+    train_seconds = time.perf_counter() - started - record_seconds
+    rows = score_rollouts(net, scale, args.seeds)
     return {
         "benchmark": "pusht_state_dynamics",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -226,27 +232,8 @@ def run(args: argparse.Namespace) -> dict:
         },
         "seeds": [args.seeds[0], args.seeds[-1], len(args.seeds)],
         "seconds": {"record": round(record_seconds, 1), "train": round(train_seconds, 1)},
-        "horizons": {
-            str(h): {
-                "block_px_mean": _mean([r[h]["block_px"] for r in rows]),
-                "block_px_median": _median([r[h]["block_px"] for r in rows]),
-                "block_deg_median": _median([r[h]["block_deg"] for r in rows]),
-            }
-            for h in HORIZONS
-        },
+        "horizons": block_summary(rows, HORIZONS),
     }
-
-
-def _finite(values: list[float]) -> list[float]:
-    return [v for v in values if not math.isnan(v)] or [math.nan]
-
-
-def _mean(values: list[float]) -> float:
-    return round(float(np.mean(_finite(values))), 3)
-
-
-def _median(values: list[float]) -> float:
-    return round(float(np.median(_finite(values))), 3)
 
 
 def make_parser() -> argparse.ArgumentParser:

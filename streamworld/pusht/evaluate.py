@@ -183,6 +183,37 @@ def block_angle(frame: np.ndarray) -> float:
     return fit[0][2] if fit is not None and fit[1] <= T_SHAPE_MISMATCH else math.nan
 
 
+def block_scores(pred: np.ndarray, ep: Episode, horizons: tuple[int, ...]) -> dict[int, dict[str, float]]:
+    """Per horizon h, the block's position error (px, the locator's) and angle error (degrees;
+    nan where the predicted block is no T) of `pred[h - 1]` against the episode's frame h:
+    how the benchmarks that replace the model (the physics, a scene model) score their frames."""
+    out = {}
+    for h in horizons:
+        out[h] = {
+            "block_px": frame_metrics(pred[h - 1], ep.frames[h])["block_px"],
+            "block_deg": angle_error(block_angle(pred[h - 1]), ep.angles[h]),
+        }
+    return out
+
+
+def block_summary(rows: list[dict[int, dict[str, float]]], horizons: tuple[int, ...]) -> dict[str, dict]:
+    """Per horizon of `block_scores` rows (one per seed): the mean and median block error
+    and the median angle error, over the seeds where each is finite (None where none is)."""
+
+    def stat(f, key: str, h: int) -> float | None:
+        finite = [r[h][key] for r in rows if not math.isnan(r[h][key])]
+        return round(float(f(finite)), 3) if finite else None
+
+    return {
+        str(h): {
+            "block_px_mean": stat(np.mean, "block_px", h),
+            "block_px_median": stat(np.median, "block_px", h),
+            "block_deg_median": stat(np.median, "block_deg", h),
+        }
+        for h in horizons
+    }
+
+
 @dataclass
 class _Predictor:
     """What one predictor (a KV mode, or teacher-forced) scored over the seeds."""

@@ -47,6 +47,8 @@ from streamworld.pusht.world import PushTWorld, Scene
 HORIZONS = (8, 16, 24, 32)
 SIZE = 64
 INPUTS, OUTPUTS = 8, 5
+BATCH = 1024  # samples per training step: scenes, or rollout steps
+MAX_ROLLOUT = 32
 
 
 def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray]:
@@ -68,47 +70,58 @@ def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray
     return np.asarray(scenes, np.float64), np.asarray(actions, np.float64)
 
 
-def _rotate(x: np.ndarray, y: np.ndarray, angle: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    c, s = np.cos(angle), np.sin(angle)
+def _xp(a):
+    """The array library of `a`: the scene functions below take NumPy arrays (rollouts) and
+    tensors (training through rollouts) alike."""
+    return torch if isinstance(a, torch.Tensor) else np
+
+
+def _rotate(x, y, angle):
+    xp = _xp(angle)
+    c, s = xp.cos(angle), xp.sin(angle)
     return c * x + s * y, -s * x + c * y  # into a frame turned by `angle`
 
 
-def features(before: np.ndarray, now: np.ndarray, action: np.ndarray) -> np.ndarray:
+def features(before, now, action):
     """[N, 8]: the agent's place and last step's move, and the action's target, in the
     block's frame (world units / 100), and the block's last turn (radians)."""
+    xp = _xp(now)
     bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
     ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
     vx, vy = _rotate(now[:, 0] - before[:, 0], now[:, 1] - before[:, 1], ba)
     tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
     bvx, bvy = _rotate(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3], ba)
     turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
-    return np.stack(
-        [ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, np.hypot(bvx, bvy) / 10, turn * 10], 1
+    return xp.stack(
+        [ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, xp.hypot(bvx, bvy) / 10, turn * 10], 1
     )
 
 
-def targets(now: np.ndarray, after: np.ndarray) -> np.ndarray:
+def targets(now, after):
     """[N, 5]: one step's change of the block (x, y in its frame, world units; turn, in
     centiradians) and of the agent (in the block's frame), scaled to about unit size."""
     ba = now[:, 4]
     dbx, dby = _rotate(after[:, 2] - now[:, 2], after[:, 3] - now[:, 3], ba)
     dax, day = _rotate(after[:, 0] - now[:, 0], after[:, 1] - now[:, 1], ba)
     turn = (after[:, 4] - now[:, 4] + math.pi) % (2 * math.pi) - math.pi
-    return np.stack([dbx, dby, turn * 100, dax / 10, day / 10], 1)
+    return _xp(now).stack([dbx, dby, turn * 100, dax / 10, day / 10], 1)
 
 
-def apply(now: np.ndarray, change: np.ndarray) -> np.ndarray:
+def apply(now, change):
     """The scene after `change` (`targets`' units) from `now` [N, 5]."""
-    ba = now[:, 4]
-    c, s = np.cos(ba), np.sin(ba)
-    dbx, dby, turn, dax, day = change.T
-    out = now.copy()
-    out[:, 2] += c * dbx - s * dby
-    out[:, 3] += s * dbx + c * dby
-    out[:, 4] += turn / 100
-    out[:, 0] += c * dax * 10 - s * day * 10
-    out[:, 1] += s * dax * 10 + c * day * 10
-    return out
+    xp = _xp(now)
+    c, s = xp.cos(now[:, 4]), xp.sin(now[:, 4])
+    dbx, dby, turn, dax, day = (change[:, k] for k in range(5))
+    return xp.stack(
+        [
+            now[:, 0] + (c * dax - s * day) * 10,
+            now[:, 1] + (s * dax + c * day) * 10,
+            now[:, 2] + c * dbx - s * dby,
+            now[:, 3] + s * dbx + c * dby,
+            now[:, 4] + turn / 100,
+        ],
+        1,
+    )
 
 
 def make_net(width: int) -> nn.Module:
@@ -123,10 +136,36 @@ def make_net(width: int) -> nn.Module:
     )
 
 
+def rollout_loss(net: nn.Module, scale: torch.Tensor, episodes, taken, k: int, gen) -> torch.Tensor:
+    """The objective over rollouts: `BATCH // k` rollouts of k steps, each from a true scene
+    (and the one before it) under the episode's actions, scored at every step by the
+    change that would take the true scene to the predicted one (`targets`, scaled)."""
+    n, last = BATCH // k, episodes.shape[1] - k  # starts 1 .. steps - k
+    e = torch.randint(0, episodes.shape[0], (n,), generator=gen)
+    t = torch.randint(1, last, (n,), generator=gen)
+    before, now, loss = episodes[e, t - 1], episodes[e, t], 0.0
+    for j in range(k):
+        change = net(features(before, now, taken[e, t + j])) * scale
+        before, now = now, apply(now, change)
+        loss = loss + ((targets(episodes[e, t + j + 1], now) / scale) ** 2).mean()
+    return loss / k
+
+
 def train(
-    scenes: list[np.ndarray], actions: list[np.ndarray], steps: int, width: int, seed: int, progress: bool
+    scenes: list[np.ndarray],
+    actions: list[np.ndarray],
+    steps: int,
+    width: int,
+    seed: int,
+    progress: bool,
+    rollout_steps: int = 1,
 ):
+    """The scene model, trained one step ahead (`rollout_steps` 1) or through rollouts of
+    that many steps (`rollout_loss`)."""
     from tqdm import tqdm
+
+    episodes = torch.tensor(np.stack(scenes), dtype=torch.float32)  # [E, steps + 1, 5]
+    taken = torch.tensor(np.stack(actions), dtype=torch.float32)  # [E, steps, 2]
 
     x, y = [], []
     for s, a in zip(scenes, actions, strict=True):
@@ -145,8 +184,11 @@ def train(
     for step in tqdm(range(steps), desc="training the scene model", unit="step", disable=not progress):
         for group in opt.param_groups:  # linear warm-up, then a cosine to zero
             group["lr"] = peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        i = torch.randint(0, len(x_all), (1024,), generator=gen)
-        loss = ((net(x_all[i]) - y_all[i] / scale) ** 2).mean()
+        if rollout_steps == 1:
+            i = torch.randint(0, len(x_all), (BATCH,), generator=gen)
+            loss = ((net(x_all[i]) - y_all[i] / scale) ** 2).mean()
+        else:
+            loss = rollout_loss(net, scale, episodes, taken, rollout_steps, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -210,7 +252,13 @@ def run(args: argparse.Namespace) -> dict:
     recorded = record(spec, args.workers)
     record_seconds = time.perf_counter() - started
     net, scale, loss, samples = train(
-        [s for s, _ in recorded], [a for _, a in recorded], args.train_steps, args.width, args.seed, True
+        [s for s, _ in recorded],
+        [a for _, a in recorded],
+        args.train_steps,
+        args.width,
+        args.seed,
+        True,
+        args.rollout_steps,
     )
     train_seconds = time.perf_counter() - started - record_seconds
     rows = score_rollouts(net, scale, args.seeds)
@@ -227,6 +275,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": {
             "width": args.width,
             "train_steps": args.train_steps,
+            "rollout_steps": args.rollout_steps,
             "samples": samples,
             "final_loss": round(loss, 5),
         },
@@ -256,6 +305,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--train-steps", type=int, default=20000, help="training steps of 1024 samples (default 20000)"
     )
+    parser.add_argument(
+        "--rollout-steps",
+        type=int,
+        default=1,
+        help="train through rollouts of this many steps, from true scenes under the episodes' "
+        "actions, scored at every step (default 1: one step ahead, as the world model's "
+        f"teacher-forced objective); at most {MAX_ROLLOUT}",
+    )
     parser.add_argument("--width", type=int, default=256, help="the network's width (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     parser.add_argument("--workers", type=int, default=2, help="recording processes (default 2)")
@@ -272,8 +329,10 @@ def main() -> None:
     for name in ("episodes", "steps_per_episode", "train_steps", "width", "workers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.steps_per_episode < 2:
-        parser.error("--steps-per-episode must be at least 2")
+    if not 1 <= args.rollout_steps <= MAX_ROLLOUT:
+        parser.error(f"--rollout-steps must be 1 to {MAX_ROLLOUT}")
+    if args.steps_per_episode < args.rollout_steps + 2:
+        parser.error("--steps-per-episode must be at least --rollout-steps + 2")
     if args.json and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist")
     report = run(args)

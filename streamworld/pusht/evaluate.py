@@ -190,7 +190,7 @@ def block_scores(pred: np.ndarray, ep: Episode, horizons: tuple[int, ...]) -> di
     out = {}
     for h in horizons:
         out[h] = {
-            "block_px": frame_metrics(pred[h - 1], ep.frames[h])["block_px"],
+            "block_px": _distance(locate(pred[h - 1]).block, locate(ep.frames[h]).block),
             "block_deg": angle_error(block_angle(pred[h - 1]), ep.angles[h]),
         }
     return out

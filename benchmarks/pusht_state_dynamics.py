@@ -300,7 +300,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--push-share",
         type=float,
         default=0.85,
-        help=f"the policy's share of pushes (default 0.85; data's {PUSH_SHARE})",
+        help=f"the policy's share of pushes (default 0.85, as the world model's rounds since 4; "
+        f"train pusht's own default is {PUSH_SHARE})",
     )
     parser.add_argument(
         "--train-steps", type=int, default=20000, help="training steps of 1024 samples (default 20000)"

@@ -17,13 +17,13 @@ the block. This script replaces the model by the environment itself, started fro
   known error in the start grows.
 
 It renders the frames that start gives under the episode's actions and scores them with
-`streamworld eval`'s own metrics (`evaluate.frame_metrics`, `evaluate.block_angle`) at 8, 16,
+`streamworld eval`'s own metrics (`evaluate.block_scores`: the locator, the T fit) at 8, 16,
 24 and 32 frames. If even the physics started from the seen scene misses by N px at 32
 frames, no model of 64-px frames can be expected to beat about N px there.
 
     python benchmarks/pusht_physics_floor.py --seeds 0-99 --json physics_floor.json
 
-About a minute on a 2-core CPU for 100 seeds.
+About 2.5 minutes on a 2-core CPU for 100 seeds.
 """
 
 from __future__ import annotations

@@ -6,22 +6,25 @@ The world model's block is 4.48 px off at 32 frames (`pusht-delta`, one step), w
 true physics started from what the first frame shows is 0.94 px off
 (`benchmarks/pusht_physics_floor.py`). Between them lies learning the pushes. This script
 asks how far a model gets that is given the scene itself, exactly, with the strongest
-help a state model can have: each step's input is the agent's place and velocity and the
+help a scene model can have: each step's input is the agent's place and velocity and the
 action's target in the block's own frame (so a push looks the same wherever the block
 is), and it predicts one step's change of the block's pose (in that frame) and of the
 agent's place. It is trained with a squared error on episodes recorded as `train pusht`
-records them (`--push-share`, scenes only, no frames drawn), then rolled out from each eval
-episode's exact start under its actions for 32 steps; the scenes it predicts are drawn by
-the environment and scored with `evaluate.frame_metrics`, as the physics floor's are.
+records them (`--push-share`, scenes only, no frames drawn): one step ahead, or through
+rollouts of `--rollout-steps` steps that go on from their own predictions. It is then
+rolled out from each eval episode's exact start under its actions for 32 steps; the
+scenes it predicts are drawn by the environment and scored with `evaluate.block_scores`,
+as the physics floor's are.
 
 If such a model, which never has to draw or read a frame, stays far above the floor, the
-pushes are what is hard to learn from this much data, whatever draws the frames; if it
-comes near, a world model that carries the block's pose (and draws the block from it)
-is worth building.
+pushes are what is hard to learn, whatever draws the frames; if it comes near, a world
+model that carries the block's pose (and draws the block from it) is worth building.
 
     python benchmarks/pusht_state_dynamics.py --json state_dynamics.json
+    python benchmarks/pusht_state_dynamics.py --rollout-steps 8 --json state_dynamics.json
 
-About 5 minutes on a 2-core CPU with the defaults (recording 1,500 episodes, 20,000 steps).
+On a 2-core CPU with the defaults (1,500 episodes, 20,000 steps) about 3.5 minutes one
+step ahead and 8 through rollouts of 8 steps.
 """
 
 from __future__ import annotations

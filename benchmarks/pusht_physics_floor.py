@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
-from streamworld.pusht.pose import estimate_scene, place
+from streamworld.pusht.pose import estimate_scene, simulate
 from streamworld.pusht.world import WORLD_SIZE, PushTWorld, Scene
 
 HORIZONS = (8, 16, 24, 32)
@@ -80,13 +80,6 @@ def start_scene(kind: str, px: float, deg: float, true: Scene, first_frame: np.n
     return Scene(true.agent, (x + shift * math.cos(direction), y + shift * math.sin(direction), angle + turn))
 
 
-def roll_out(world: PushTWorld, scene: Scene, actions: np.ndarray) -> np.ndarray:
-    """The frames the environment draws after each action, started at rest in `scene`."""
-    world.reset(0)  # a fresh space: pymunk carries contact impulses from step to step
-    place(world, scene, scene)
-    return np.stack([world.step(a) for a in actions])
-
-
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
@@ -104,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
             if scene is None:
                 unread[name] += 1
                 continue
-            rows[name].append(block_scores(roll_out(world, scene, ep.actions), ep, HORIZONS))
+            rows[name].append(block_scores(simulate(world, scene, scene, ep.actions), ep, HORIZONS))
     world.close()
     return {
         "benchmark": "pusht_physics_floor",

@@ -44,7 +44,7 @@ from torch import nn
 
 from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
-from streamworld.pusht.pose import place
+from streamworld.pusht.pose import draw_scene
 from streamworld.pusht.world import PushTWorld, Scene
 
 HORIZONS = (8, 16, 24, 32)
@@ -93,11 +93,9 @@ def features(before, now, action):
     ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
     vx, vy = _rotate(now[:, 0] - before[:, 0], now[:, 1] - before[:, 1], ba)
     tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
-    bvx, bvy = _rotate(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3], ba)
     turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
-    return xp.stack(
-        [ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, xp.hypot(bvx, bvy) / 10, turn * 10], 1
-    )
+    moved = xp.hypot(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3])  # the block's last move
+    return xp.stack([ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, moved / 10, turn * 10], 1)
 
 
 def targets(now, after):
@@ -211,14 +209,6 @@ def roll_out(net: nn.Module, scale: torch.Tensor, start: np.ndarray, actions: np
     return np.stack(out)
 
 
-def draw(world: PushTWorld, row: np.ndarray) -> np.ndarray:
-    scene = Scene((float(row[0]), float(row[1])), (float(row[2]), float(row[3]), float(row[4])))
-    place(world, scene, scene)
-    for shape in world.env.space.shapes:  # the drawing reads the shapes' cached places
-        shape.cache_bb()
-    return world.render()
-
-
 def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every training episode's (scenes, actions), in `workers` processes."""
     from tqdm import tqdm
@@ -244,7 +234,8 @@ def score_rollouts(net: nn.Module, scale: torch.Tensor, seeds: list[int]) -> lis
         start = np.asarray(scene_row(world.scene), np.float64)
         pred = roll_out(net, scale, start, ep.actions.astype(np.float64))
         world.reset(0)
-        rows.append(block_scores(np.stack([draw(world, row) for row in pred]), ep, HORIZONS))
+        scenes = [Scene((r[0], r[1]), (r[2], r[3], r[4])) for r in pred.tolist()]
+        rows.append(block_scores(np.stack([draw_scene(world, c) for c in scenes]), ep, HORIZONS))
     world.close()
     return rows
 

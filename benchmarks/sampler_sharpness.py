@@ -65,7 +65,7 @@ from streamworld.pusht.evaluate import (
     record_eval_episode,
     true_latents,
 )
-from streamworld.pusht.pose import estimate_scene, place
+from streamworld.pusht.pose import draw_scene, estimate_scene
 from streamworld.pusht.world import PushTWorld, angle_error, locate, palette_weights
 
 HORIZONS = (8, 16, 32)
@@ -158,11 +158,8 @@ class SnappingGenerator(ReferenceGenerator):
         if scene is None:
             self.kept += 1
             return frame
-        place(self.world, scene, scene)
-        for shape in self.world.env.space.shapes:  # the drawing reads the shapes' cached places
-            shape.cache_bb()
         self.snapped += 1
-        return self.world.render()
+        return draw_scene(self.world, scene)
 
 
 def parse_sampler(text: str) -> tuple[str, tuple[float, ...]]:

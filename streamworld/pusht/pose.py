@@ -157,6 +157,24 @@ def place(world: PushTWorld, scene: Scene, previous: Scene) -> None:
     env.block.angular_velocity = float(turn * FPS)
 
 
+def simulate(world: PushTWorld, scene: Scene, previous: Scene, actions) -> np.ndarray:
+    """The frames [k, H, W, 3] uint8 `world` draws after each of `actions` [k, 2], started in
+    `scene` moving as it moved since `previous` (`place`). A fresh space each time: pymunk
+    carries contact impulses from step to step, and the result must not depend on what the
+    world simulated before."""
+    world.reset(0)
+    place(world, scene, previous)
+    return np.stack([world.step(a) for a in actions])
+
+
+def draw_scene(world: PushTWorld, scene: Scene) -> np.ndarray:
+    """The frame of `scene` at rest, drawn without a physics step."""
+    place(world, scene, scene)
+    for shape in world.env.space.shapes:  # the drawing reads the shapes' cached places
+        shape.cache_bb()
+    return world.render()
+
+
 def _one_motion(previous: Scene, scene: Scene) -> bool:
     turn = abs((scene.block[2] - previous.block[2] + np.pi) % (2 * np.pi) - np.pi)
     return (
@@ -185,8 +203,4 @@ def continue_frames(job: tuple) -> np.ndarray | None:
     size = frame.shape[0]
     if _WORLD is None or _WORLD.size != size:
         _WORLD = PushTWorld(size)
-    # A fresh space each time: pymunk carries contact impulses from step to step, and the
-    # result must not depend on the jobs this process ran before.
-    _WORLD.reset(0)
-    place(_WORLD, scene, previous)
-    return np.stack([_WORLD.step(a) for a in actions])
+    return simulate(_WORLD, scene, previous, actions)

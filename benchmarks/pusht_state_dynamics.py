@@ -24,12 +24,17 @@ model that carries the block's pose (and draws the block from it) is worth build
     python benchmarks/pusht_state_dynamics.py --rollout-steps 8 --json state_dynamics.json
 
 On a 2-core CPU with the defaults (1,500 episodes, 20,000 steps) about 3.5 minutes one
-step ahead and 8 through rollouts of 8 steps.
+step ahead and 8 through rollouts of 8 steps. The model itself is
+`streamworld.pusht.scene_model`: `--save FILE` writes it, for `--load FILE` (score it again)
+and `streamworld eval pusht --plan --scene-model FILE` (plan with it). `--device cuda` trains
+on a GPU, where a step takes about as long for any `--batch` (the rollouts' many small
+operations bound it), and `--train-minutes` ends training on time.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -40,17 +45,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
 from streamworld.pusht.pose import draw_scene
+from streamworld.pusht.scene_model import SceneModel, features, targets
 from streamworld.pusht.world import PushTWorld, Scene
 
 HORIZONS = (8, 16, 24, 32)
 SIZE = 64
-INPUTS, OUTPUTS = 8, 5
-BATCH = 1024  # samples per training step: scenes, or rollout steps
+BATCH = 1024  # default samples per training step: scenes, or rollout steps
 MAX_ROLLOUT = 32
 
 
@@ -73,82 +77,17 @@ def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray
     return np.asarray(scenes, np.float64), np.asarray(actions, np.float64)
 
 
-def _xp(a):
-    """The array library of `a`: the scene functions below take NumPy arrays (rollouts) and
-    tensors (training through rollouts) alike."""
-    return torch if isinstance(a, torch.Tensor) else np
-
-
-def _rotate(x, y, angle):
-    xp = _xp(angle)
-    c, s = xp.cos(angle), xp.sin(angle)
-    return c * x + s * y, -s * x + c * y  # into a frame turned by `angle`
-
-
-def features(before, now, action):
-    """[N, 8]: the agent's place and last step's move, and the action's target, in the
-    block's frame (world units / 100), and the block's last turn (radians)."""
-    xp = _xp(now)
-    bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
-    ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
-    vx, vy = _rotate(now[:, 0] - before[:, 0], now[:, 1] - before[:, 1], ba)
-    tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
-    turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
-    moved = xp.hypot(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3])  # the block's last move
-    return xp.stack([ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, moved / 10, turn * 10], 1)
-
-
-def targets(now, after):
-    """[N, 5]: one step's change of the block (x, y in its frame, world units; turn, in
-    centiradians) and of the agent (in the block's frame), scaled to about unit size."""
-    ba = now[:, 4]
-    dbx, dby = _rotate(after[:, 2] - now[:, 2], after[:, 3] - now[:, 3], ba)
-    dax, day = _rotate(after[:, 0] - now[:, 0], after[:, 1] - now[:, 1], ba)
-    turn = (after[:, 4] - now[:, 4] + math.pi) % (2 * math.pi) - math.pi
-    return _xp(now).stack([dbx, dby, turn * 100, dax / 10, day / 10], 1)
-
-
-def apply(now, change):
-    """The scene after `change` (`targets`' units) from `now` [N, 5]."""
-    xp = _xp(now)
-    c, s = xp.cos(now[:, 4]), xp.sin(now[:, 4])
-    dbx, dby, turn, dax, day = (change[:, k] for k in range(5))
-    return xp.stack(
-        [
-            now[:, 0] + (c * dax - s * day) * 10,
-            now[:, 1] + (s * dax + c * day) * 10,
-            now[:, 2] + c * dbx - s * dby,
-            now[:, 3] + s * dbx + c * dby,
-            now[:, 4] + turn / 100,
-        ],
-        1,
-    )
-
-
-def make_net(width: int) -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(INPUTS, width),
-        nn.SiLU(),
-        nn.Linear(width, width),
-        nn.SiLU(),
-        nn.Linear(width, width),
-        nn.SiLU(),
-        nn.Linear(width, OUTPUTS),
-    )
-
-
-def rollout_loss(net: nn.Module, scale: torch.Tensor, episodes, taken, k: int, gen) -> torch.Tensor:
-    """The objective over rollouts: `BATCH // k` rollouts of k steps, each from a true scene
+def rollout_loss(model: SceneModel, episodes, taken, k: int, gen, batch: int = BATCH) -> torch.Tensor:
+    """The objective over rollouts: `batch // k` rollouts of k steps, each from a true scene
     (and the one before it) under the episode's actions, scored at every step by the
     change that would take the true scene to the predicted one (`targets`, scaled)."""
-    n, last = BATCH // k, episodes.shape[1] - k  # starts 1 .. steps - k
-    e = torch.randint(0, episodes.shape[0], (n,), generator=gen)
-    t = torch.randint(1, last, (n,), generator=gen)
+    n, last = batch // k, episodes.shape[1] - k  # starts 1 .. steps - k
+    e = torch.randint(0, episodes.shape[0], (n,), generator=gen).to(episodes.device)
+    t = torch.randint(1, last, (n,), generator=gen).to(episodes.device)
     before, now, loss = episodes[e, t - 1], episodes[e, t], 0.0
     for j in range(k):
-        change = net(features(before, now, taken[e, t + j])) * scale
-        before, now = now, apply(now, change)
-        loss = loss + ((targets(episodes[e, t + j + 1], now) / scale) ** 2).mean()
+        before, now = now, model.step(before, now, taken[e, t + j])
+        loss = loss + ((targets(episodes[e, t + j + 1], now) / model.scale) ** 2).mean()
     return loss / k
 
 
@@ -160,53 +99,50 @@ def train(
     seed: int,
     progress: bool,
     rollout_steps: int = 1,
-):
-    """The scene model, trained one step ahead (`rollout_steps` 1) or through rollouts of
-    that many steps (`rollout_loss`)."""
+    device: str = "cpu",
+    batch: int = BATCH,
+    seconds: float = 0.0,
+) -> tuple[SceneModel, float, int, int]:
+    """The scene model (on the CPU, in eval mode), trained on `device` one step ahead
+    (`rollout_steps` 1) or through rollouts of that many steps (`rollout_loss`); its mean
+    loss over the last 200 steps, the number of one-step samples, and the steps taken.
+    With `seconds`, training also ends when that much time has passed, its learning rate's
+    schedule following whichever of the steps or the time is further along."""
     from tqdm import tqdm
 
-    episodes = torch.tensor(np.stack(scenes), dtype=torch.float32)  # [E, steps + 1, 5]
-    taken = torch.tensor(np.stack(actions), dtype=torch.float32)  # [E, steps, 2]
+    episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 5]
+    taken = torch.tensor(np.stack(actions), dtype=torch.float32, device=device)  # [E, steps, 2]
 
     x, y = [], []
     for s, a in zip(scenes, actions, strict=True):
         before = np.concatenate([s[:1], s[:-2]])  # the first step has no move before it
         x.append(features(before, s[:-1], a))
         y.append(targets(s[:-1], s[1:]))
-    x_all = torch.tensor(np.concatenate(x), dtype=torch.float32)
-    y_all = torch.tensor(np.concatenate(y), dtype=torch.float32)
-    scale = y_all.std(0).clamp_min(1e-3)
+    x_all = torch.tensor(np.concatenate(x), dtype=torch.float32, device=device)
+    y_all = torch.tensor(np.concatenate(y), dtype=torch.float32, device=device)
     torch.manual_seed(seed)
-    net = make_net(width)
+    model = SceneModel(width, y_all.std(0).clamp_min(1e-3)).to(device)
     peak, warm = 2e-3, max(1, steps // 20)
-    opt = torch.optim.AdamW(net.parameters(), lr=peak, weight_decay=1e-4)
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
+    opt = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=1e-4)
+    gen = torch.Generator().manual_seed(seed)  # on the CPU, so a run draws the same batches anywhere
+    losses, started = [], time.perf_counter()
     for step in tqdm(range(steps), desc="training the scene model", unit="step", disable=not progress):
+        done = max(step / steps, (time.perf_counter() - started) / seconds if seconds else 0.0)
+        if done >= 1:
+            break
         for group in opt.param_groups:  # linear warm-up, then a cosine to zero
-            group["lr"] = peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / steps))
+            group["lr"] = peak * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * done))
         if rollout_steps == 1:
-            i = torch.randint(0, len(x_all), (BATCH,), generator=gen)
-            loss = ((net(x_all[i]) - y_all[i] / scale) ** 2).mean()
+            i = torch.randint(0, len(x_all), (batch,), generator=gen).to(device)
+            loss = ((model(x_all[i]) - y_all[i] / model.scale) ** 2).mean()
         else:
-            loss = rollout_loss(net, scale, episodes, taken, rollout_steps, gen)
+            loss = rollout_loss(model, episodes, taken, rollout_steps, gen, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
-    net.eval()
-    return net, scale, float(np.mean(losses[-200:])), len(x_all)
-
-
-def roll_out(net: nn.Module, scale: torch.Tensor, start: np.ndarray, actions: np.ndarray) -> np.ndarray:
-    """Scenes [len(actions), 5] predicted from `start` (at rest) under `actions`."""
-    before, now, out = start[None], start[None], []
-    with torch.no_grad():
-        for a in actions:
-            change = net(torch.tensor(features(before, now, a[None]), dtype=torch.float32)) * scale
-            before, now = now, apply(now, change.numpy().astype(np.float64))
-            out.append(now[0])
-    return np.stack(out)
+        losses.append(loss.detach())
+    tail = torch.stack(losses[-200:]).mean().item()
+    return model.cpu().eval(), tail, len(x_all), len(losses)
 
 
 def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -221,7 +157,7 @@ def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray
         return list(tqdm(found, total=len(jobs), desc="recording scenes", unit="episode"))
 
 
-def score_rollouts(net: nn.Module, scale: torch.Tensor, seeds: list[int]) -> list[dict]:
+def score_rollouts(model: SceneModel, seeds: list[int]) -> list[dict]:
     """Per eval seed, `evaluate.block_scores` of the scenes rolled out from its exact start,
     drawn by the environment."""
     from tqdm import tqdm
@@ -232,7 +168,7 @@ def score_rollouts(net: nn.Module, scale: torch.Tensor, seeds: list[int]) -> lis
         ep = record_eval_episode(seed, max(HORIZONS), SIZE)
         world.reset(seed)
         start = np.asarray(scene_row(world.scene), np.float64)
-        pred = roll_out(net, scale, start, ep.actions.astype(np.float64))
+        pred = model.roll_out(start[None], ep.actions[None].astype(np.float64))[0]
         world.reset(0)
         scenes = [Scene((r[0], r[1]), (r[2], r[3], r[4])) for r in pred.tolist()]
         rows.append(block_scores(np.stack([draw_scene(world, c) for c in scenes]), ep, HORIZONS))
@@ -240,12 +176,14 @@ def score_rollouts(net: nn.Module, scale: torch.Tensor, seeds: list[int]) -> lis
     return rows
 
 
-def run(args: argparse.Namespace) -> dict:
+def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
+    """The model trained as `args` say, on episodes recorded for it (written to `--save`),
+    and the report's data, model and seconds."""
     spec = DatasetSpec(args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share)
     started = time.perf_counter()
     recorded = record(spec, args.workers)
     record_seconds = time.perf_counter() - started
-    net, scale, loss, samples = train(
+    model, loss, samples, taken_steps = train(
         [s for s, _ in recorded],
         [a for _, a in recorded],
         args.train_steps,
@@ -253,13 +191,15 @@ def run(args: argparse.Namespace) -> dict:
         args.seed,
         True,
         args.rollout_steps,
+        args.device,
+        args.batch,
+        args.train_minutes * 60,
     )
     train_seconds = time.perf_counter() - started - record_seconds
-    rows = score_rollouts(net, scale, args.seeds)
-    return {
-        "benchmark": "pusht_state_dynamics",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+    trained = {"train_steps": taken_steps, "rollout_steps": args.rollout_steps, "batch": args.batch}
+    if args.save:
+        model.save(args.save, {"episodes": str(spec.episodes), "data_seed": str(spec.seed), **trained})
+    return model, {
         "data": {
             "episodes": spec.episodes,
             "steps": spec.steps,
@@ -268,13 +208,30 @@ def run(args: argparse.Namespace) -> dict:
         },
         "model": {
             "width": args.width,
-            "train_steps": args.train_steps,
-            "rollout_steps": args.rollout_steps,
+            **trained,
+            "train_minutes": args.train_minutes,
             "samples": samples,
             "final_loss": round(loss, 5),
         },
-        "seeds": [args.seeds[0], args.seeds[-1], len(args.seeds)],
         "seconds": {"record": round(record_seconds, 1), "train": round(train_seconds, 1)},
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train a model (or `--load` one) and score its rollouts from the eval seeds' starts."""
+    if args.load:
+        model = SceneModel.load(args.load)
+        sha256 = hashlib.sha256(args.load.read_bytes()).hexdigest()
+        about = {"model": {"loaded": args.load.name, "sha256": sha256, **model.metadata}}
+    else:
+        model, about = record_and_train(args)
+    rows = score_rollouts(model, args.seeds)
+    return {
+        "benchmark": "pusht_state_dynamics",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "torch": torch.__version__},
+        **about,
+        "seeds": [args.seeds[0], args.seeds[-1], len(args.seeds)],
         "horizons": block_summary(rows, HORIZONS),
     }
 
@@ -301,6 +258,20 @@ def make_parser() -> argparse.ArgumentParser:
         "--train-steps", type=int, default=20000, help="training steps of 1024 samples (default 20000)"
     )
     parser.add_argument(
+        "--batch",
+        type=int,
+        default=BATCH,
+        help=f"samples per training step: scenes, or rollout steps (--batch / --rollout-steps rollouts) "
+        f"(default {BATCH}; on a GPU, larger batches cost about as much time per step)",
+    )
+    parser.add_argument(
+        "--train-minutes",
+        type=float,
+        default=0.0,
+        help="also end training after this many minutes, the learning rate's cosine following the "
+        "time where it is further along than the steps (default 0: no time limit)",
+    )
+    parser.add_argument(
         "--rollout-steps",
         type=int,
         default=1,
@@ -314,6 +285,24 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seeds", type=parse_seeds, default=parse_seeds("0-99"), help="eval episode seeds (default 0-99)"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where to train: cpu or cuda (default cpu; the rollouts run on the CPU)",
+    )
+    parser.add_argument(
+        "--save",
+        type=Path,
+        help="write the trained scene model here (.safetensors), for "
+        "`streamworld eval pusht --plan --scene-model FILE`",
+    )
+    parser.add_argument(
+        "--load",
+        type=Path,
+        metavar="FILE",
+        help="score a scene model --save wrote instead of training one (the data and training options "
+        "are then not used)",
+    )
     parser.add_argument("--json", type=Path, help="write the report here")
     return parser
 
@@ -321,15 +310,23 @@ def make_parser() -> argparse.ArgumentParser:
 def main() -> None:
     parser = make_parser()
     args = parser.parse_args()
-    for name in ("episodes", "steps_per_episode", "train_steps", "width", "workers"):
+    for name in ("episodes", "steps_per_episode", "train_steps", "width", "workers", "batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 1 <= args.rollout_steps <= MAX_ROLLOUT:
         parser.error(f"--rollout-steps must be 1 to {MAX_ROLLOUT}")
+    if not args.train_minutes >= 0:
+        parser.error("--train-minutes must be at least 0")
+    if args.batch < args.rollout_steps:
+        parser.error("--batch must be at least --rollout-steps (one rollout)")
     if args.steps_per_episode < args.rollout_steps + 2:
         parser.error("--steps-per-episode must be at least --rollout-steps + 2")
-    if args.json and not args.json.parent.is_dir():
-        parser.error(f"--json: the folder {args.json.parent} does not exist")
+    for name in ("json", "save"):
+        path = getattr(args, name)
+        if path and not path.parent.is_dir():
+            parser.error(f"--{name}: the folder {path.parent} does not exist")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
     report = run(args)
     print(json.dumps(report["horizons"], indent=1))
     if args.json:

@@ -724,7 +724,7 @@ def test_eval_plan_simulator_refuses_model_options(capsys):
     from streamworld.cli import main
 
     assert main(["eval", "pusht", "--plan", "--simulator", "--dit", "x.safetensors"]) == 2
-    assert "--simulator plans without the model" in capsys.readouterr().err
+    assert "--simulator plans without the world model" in capsys.readouterr().err
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

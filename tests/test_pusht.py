@@ -573,7 +573,7 @@ def test_eval_cli_refuses_prediction_options_with_plan(capsys):
     assert "one --kv-mode" in capsys.readouterr().err
     for option in (["--kv-mode", "clean"], ["--steps", "1000"]):
         assert cli_main(["eval", "pusht", "--plan", "--simulator", *option]) == 2
-        assert "plans without the model" in capsys.readouterr().err
+        assert "plans without the world model" in capsys.readouterr().err
 
 
 def test_eval_cli_writes_json(tmp_path, capsys):

@@ -1,5 +1,6 @@
-"""benchmarks/pusht_state_dynamics.py: its scenes are the training data's, its change of
-scene is exactly undone by applying it, and a tiny run reports every horizon (CPU)."""
+"""benchmarks/pusht_state_dynamics.py: its scenes are the training data's, its rollouts
+build on their own predictions, and a tiny run reports every horizon and saves the model
+(CPU). The scene model itself: tests/test_scene_model.py."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from streamworld.pusht.data import DatasetSpec, record_episode
+from streamworld.pusht.scene_model import SceneModel, targets
 from tests.conftest import load_script
 
 dyn = load_script("benchmarks/pusht_state_dynamics.py")
@@ -24,22 +26,7 @@ def test_the_scenes_are_those_train_pusht_records():
     np.testing.assert_allclose(scenes, true_states, atol=1e-3)
 
 
-def test_a_change_applied_to_a_scene_gives_the_scene_it_was_taken_to():
-    rng = np.random.default_rng(0)
-    now = np.column_stack([rng.uniform(0, 512, (50, 4)), rng.uniform(-3, 3, 50)])
-    after = now + np.column_stack([rng.normal(0, 10, (50, 4)), rng.normal(0, 0.2, 50)])
-    np.testing.assert_allclose(dyn.apply(now, dyn.targets(now, after)), after, atol=1e-9)
-    before = now - 1.0
-    shifted = now.copy()
-    shifted[:, [0, 2]] += 100.0  # the agent and the block moved together
-    np.testing.assert_allclose(
-        dyn.features(before, now, now[:, :2] + 5),
-        dyn.features(before + np.array([100, 0, 100, 0, 0]), shifted, now[:, :2] + [105, 5]),
-        atol=1e-9,
-    )
-
-
-def test_a_tiny_run_through_rollouts_reports_each_horizon():
+def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tmp_path):
     args = argparse.Namespace(
         episodes=3,
         steps_per_episode=40,
@@ -51,26 +38,32 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon():
         workers=1,
         seeds=[0, 1],
         rollout_steps=4,
+        device="cpu",
+        batch=64,
+        train_minutes=0.0,
+        load=None,
+        save=tmp_path / "scene.safetensors",
     )
     report = dyn.run(args)
-    assert report["model"]["rollout_steps"] == 4
+    assert report["model"]["rollout_steps"] == 4 and report["model"]["batch"] == 64
     assert set(report["horizons"]) == {str(h) for h in dyn.HORIZONS}
     assert report["model"]["samples"] == 3 * 40
     assert all(v["block_px_mean"] is None or v["block_px_mean"] >= 0 for v in report["horizons"].values())
-
-
-def test_the_scene_functions_give_tensors_what_they_give_arrays():
-    rng = np.random.default_rng(1)
-    before, now = (np.column_stack([rng.uniform(0, 512, (20, 4)), rng.uniform(-3, 3, 20)]) for _ in range(2))
-    action = rng.uniform(0, 512, (20, 2))
-    change = rng.normal(0, 1, (20, 5))
-    t = torch.tensor
-    for f, args in (
-        (dyn.features, (before, now, action)),
-        (dyn.targets, (before, now)),
-        (dyn.apply, (now, change)),
-    ):
-        np.testing.assert_allclose(f(*(t(a) for a in args)).numpy(), f(*args), atol=1e-9)
+    saved = SceneModel.load(tmp_path / "scene.safetensors")
+    assert saved.width == 16 and saved.scale.shape == (5,) and not torch.all(saved.scale == 1)
+    assert saved.metadata == {
+        "width": "16",
+        "episodes": "3",
+        "data_seed": "0",
+        "train_steps": "20",
+        "rollout_steps": "4",
+        "batch": "64",
+    }
+    # Scoring the saved model again gives the same horizons, and says which file it scored.
+    args.load = tmp_path / "scene.safetensors"
+    again = dyn.run(args)
+    assert again["horizons"] == report["horizons"] and again["model"]["loaded"] == "scene.safetensors"
+    assert again["model"]["rollout_steps"] == "4" and "data" not in again
 
 
 def test_rollouts_build_on_their_own_predictions():
@@ -79,16 +72,15 @@ def test_rollouts_build_on_their_own_predictions():
     rng = np.random.default_rng(2)
     episodes = torch.tensor(np.cumsum(rng.normal(0, 3, (6, 20, 5)), 1) + 200, dtype=torch.float32)
     taken = torch.tensor(rng.uniform(0, 512, (6, 19, 2)), dtype=torch.float32)
-    scale = torch.ones(5)
-    still = torch.nn.Linear(dyn.INPUTS, dyn.OUTPUTS)
-    torch.nn.init.zeros_(still.weight)
-    torch.nn.init.zeros_(still.bias)
+    still = SceneModel(8)
+    torch.nn.init.zeros_(still.net[-1].weight)
+    torch.nn.init.zeros_(still.net[-1].bias)
     k = 4
-    loss = dyn.rollout_loss(still, scale, episodes, taken, k, torch.Generator().manual_seed(3))
+    loss = dyn.rollout_loss(still, episodes, taken, k, torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(3)
     n = dyn.BATCH // k
     e = torch.randint(0, 6, (n,), generator=gen)
     t = torch.randint(1, 20 - k, (n,), generator=gen)
     start = episodes[e, t]
-    expected = sum((dyn.targets(episodes[e, t + j + 1], start) ** 2).mean() for j in range(k)) / k
+    expected = sum((targets(episodes[e, t + j + 1], start) ** 2).mean() for j in range(k)) / k
     assert loss.item() == pytest.approx(float(expected), rel=1e-5)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -116,6 +117,15 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="roll the candidates out in the true environment instead of the model: what a perfect "
         "model would reach with the same search and cost (CPU; no model is loaded)",
+    )
+    plan.add_argument(
+        "--scene-model",
+        type=Path,
+        metavar="FILE",
+        help="roll the candidates out with a scene model instead of the world model: a network that "
+        "steps the agent's place and the block's pose (`benchmarks/pusht_state_dynamics.py --save`), "
+        "started from the scene the observed frame shows, its scenes drawn as the environment draws "
+        "them. How well a model that carries the block's pose plans, with the same search and cost (CPU)",
     )
 
 
@@ -332,11 +342,21 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
         or args.timesteps
         or args.ensemble
     )
-    if args.simulator and model_options:
-        raise UsageError(
-            "--simulator plans without the model: drop --dit, --device, --cuda-graphs, --kv-mode, --steps "
-            "and --ensemble"
-        )
+    for flag, on in (("--simulator", args.simulator), ("--scene-model", args.scene_model)):
+        if on and model_options:
+            raise UsageError(
+                f"{flag} plans without the world model: drop --dit, --device, --cuda-graphs, --kv-mode, "
+                "--steps and --ensemble"
+            )
+    if args.simulator and args.scene_model:
+        raise UsageError("--simulator and --scene-model are two ways to roll out: pick one")
+    if args.scene_model:
+        from ..pusht.scene_model import SceneModel
+
+        try:
+            SceneModel.load(args.scene_model)
+        except ValueError as e:
+            raise UsageError(f"--scene-model: {e}") from None
     _ensemble_members(args)
 
 
@@ -365,6 +385,23 @@ async def _rollouts(args: argparse.Namespace, config):
             {"model": args.model, "rollouts": "simulator", "device": "cpu"},
             size,
             lambda frame, world, seed: SimulatorRollouts(world),
+            lambda: None,
+        )
+        return
+    if args.scene_model:
+        from ..pusht.scene_model import SceneModel, SceneModelRollouts
+
+        scene_model = SceneModel.load(args.scene_model)
+        yield (
+            {
+                "model": args.model,
+                "rollouts": "scene-model",
+                "scene_model": args.scene_model.name,
+                "scene_model_sha256": hashlib.sha256(args.scene_model.read_bytes()).hexdigest(),
+                "device": "cpu",
+            },
+            get_preset(args.model).height,
+            lambda frame, world, seed: SceneModelRollouts(scene_model, frame),
             lambda: None,
         )
         return

@@ -1,0 +1,229 @@
+"""A PushT model of the scene instead of the frames: a small network that steps the agent's
+place and the block's pose forward under an action, and rollouts for the planner drawn from
+the scenes it predicts.
+
+It is the dynamics half of a world model that carries the block's pose (docs/pusht.md,
+"Learning the pushes is what is hard, not drawing them"). `benchmarks/pusht_state_dynamics.py`
+trains it, one step ahead or through rollouts, and writes it with `--save`;
+`streamworld eval pusht --plan --scene-model FILE` plans with it in the world model's place,
+starting each plan from the scene `pose.estimate_scene` reads off the observed frame, at
+rest, as the world model starts each plan from that frame alone.
+
+Each step's input is the agent's place and last move and the action's target in the block's
+own frame (so a push looks the same wherever the block is), and the output is one step's
+change of the block's pose (in that frame) and of the agent's place (`features`, `targets`,
+`apply`). The scene functions take NumPy arrays and tensors alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .pose import draw_scene, estimate_scene
+from .world import PushTWorld, Scene
+
+INPUTS, OUTPUTS = 8, 5
+FORMAT = "streamworld-pusht-scene-model/1"
+MAX_FILE_BYTES = 16 << 20  # a width-256 model is about 0.6 MB
+MAX_WIDTH = 1024
+
+
+def _xp(a):
+    """The array library of `a`: NumPy for arrays, torch for tensors."""
+    return torch if isinstance(a, torch.Tensor) else np
+
+
+def _rotate(x, y, angle):
+    xp = _xp(angle)
+    c, s = xp.cos(angle), xp.sin(angle)
+    return c * x + s * y, -s * x + c * y  # into a frame turned by `angle`
+
+
+def features(before, now, action):
+    """[N, 8]: the agent's place and last step's move, and the action's target, in the
+    block's frame (world units / 100), and the block's last turn (radians)."""
+    xp = _xp(now)
+    bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
+    ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
+    vx, vy = _rotate(now[:, 0] - before[:, 0], now[:, 1] - before[:, 1], ba)
+    tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
+    turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
+    moved = xp.hypot(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3])  # the block's last move
+    return xp.stack([ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, moved / 10, turn * 10], 1)
+
+
+def targets(now, after):
+    """[N, 5]: one step's change of the block (x, y in its frame, world units; turn, in
+    centiradians) and of the agent (in the block's frame), scaled to about unit size."""
+    ba = now[:, 4]
+    dbx, dby = _rotate(after[:, 2] - now[:, 2], after[:, 3] - now[:, 3], ba)
+    dax, day = _rotate(after[:, 0] - now[:, 0], after[:, 1] - now[:, 1], ba)
+    turn = (after[:, 4] - now[:, 4] + math.pi) % (2 * math.pi) - math.pi
+    return _xp(now).stack([dbx, dby, turn * 100, dax / 10, day / 10], 1)
+
+
+def apply(now, change):
+    """The scene after `change` (`targets`' units) from `now` [N, 5]."""
+    xp = _xp(now)
+    c, s = xp.cos(now[:, 4]), xp.sin(now[:, 4])
+    dbx, dby, turn, dax, day = (change[:, k] for k in range(5))
+    return xp.stack(
+        [
+            now[:, 0] + (c * dax - s * day) * 10,
+            now[:, 1] + (s * dax + c * day) * 10,
+            now[:, 2] + c * dbx - s * dby,
+            now[:, 3] + s * dbx + c * dby,
+            now[:, 4] + turn / 100,
+        ],
+        1,
+    )
+
+
+def scene_array(scene: Scene) -> np.ndarray:
+    """[5]: agent x, y, block x, y, angle."""
+    return np.array([*scene.agent, *scene.block], np.float64)
+
+
+class SceneModel(nn.Module):
+    """The network (three hidden layers of `width`, SiLU) and the scale of its targets: it
+    predicts each change divided by `scale` (the changes' standard deviation in its training
+    data)."""
+
+    def __init__(self, width: int = 256, scale: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.width = width
+        self.net = nn.Sequential(
+            nn.Linear(INPUTS, width),
+            nn.SiLU(),
+            nn.Linear(width, width),
+            nn.SiLU(),
+            nn.Linear(width, width),
+            nn.SiLU(),
+            nn.Linear(width, OUTPUTS),
+        )
+        self.register_buffer("scale", torch.ones(OUTPUTS) if scale is None else scale.float().clone())
+        self.metadata: dict[str, str] = {}  # what the file it was loaded from says about it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The predicted changes, divided by `scale` (what the objective compares)."""
+        return self.net(x)
+
+    def step(self, before: torch.Tensor, now: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """The next scenes [N, 5] (differentiable: training through rollouts calls this)."""
+        return apply(now, self.net(features(before, now, action)) * self.scale)
+
+    @torch.no_grad()
+    def roll_out(self, start: np.ndarray, actions: np.ndarray) -> np.ndarray:
+        """Scenes [N, H, 5] predicted from `start` [N, 5] (at rest) under `actions` [N, H, 2],
+        stepped in float64 as the environment's scenes are."""
+        before = now = np.asarray(start, np.float64)
+        out = np.empty((*actions.shape[:2], OUTPUTS), np.float64)
+        dtype, device = self.scale.dtype, self.scale.device
+        for h in range(actions.shape[1]):
+            x = torch.as_tensor(
+                features(before, now, actions[:, h].astype(np.float64)), dtype=dtype, device=device
+            )
+            change = (self.net(x) * self.scale).double().cpu().numpy()
+            before, now = now, apply(now, change)
+            out[:, h] = now
+        return out
+
+    def save(self, path: Path, metadata: dict | None = None) -> None:
+        """Write the model, with `metadata` (how it was trained; values kept as text) that
+        `load` gives back as `self.metadata`."""
+        import safetensors.torch
+
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        meta = {
+            **{k: str(v) for k, v in (metadata or {}).items()},
+            "format": FORMAT,
+            "width": str(self.width),
+        }
+        safetensors.torch.save_file(tensors, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: Path) -> SceneModel:
+        """A model `save` wrote; ValueError naming the file and what is wrong otherwise."""
+        import safetensors
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(
+                f"{path}: {path.stat().st_size} bytes, more than a scene model's {MAX_FILE_BYTES}"
+            )
+        try:
+            with safetensors.safe_open(str(path), "pt") as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iteration
+        except Exception as e:  # safetensors' errors share no base class
+            raise ValueError(f"{path}: not a safetensors file ({e})") from None
+        if meta.get("format") != FORMAT:
+            raise ValueError(
+                f"{path}: not a scene model (format {meta.get('format')!r}, expected {FORMAT!r})"
+            )
+        try:
+            width = int(meta["width"])
+        except (KeyError, ValueError):
+            raise ValueError(f"{path}: the metadata has no width") from None
+        if not 1 <= width <= MAX_WIDTH:
+            raise ValueError(f"{path}: width {width}, expected 1 to {MAX_WIDTH}")
+        model = cls(width)
+        try:
+            model.load_state_dict(tensors)
+        except RuntimeError as e:
+            raise ValueError(f"{path}: the tensors do not fit a width-{width} scene model ({e})") from None
+        model.metadata = {k: v for k, v in meta.items() if k != "format"}
+        return model.eval()
+
+
+class SceneModelRollouts:
+    """The planner's rollouts (`planning.Rollouts`) from a `SceneModel`: each candidate's
+    scenes are predicted from the scene the observed frame shows (`pose.estimate_scene`, at
+    rest) and drawn as the environment draws a scene at rest, so the planner's cost reads
+    them as it reads the world model's frames. Where the observed frame shows no T to read,
+    every candidate is the observed frame unchanged (`unread` counts those plans), so the
+    plan's search learns nothing and its mean stands."""
+
+    def __init__(self, model: SceneModel, frame: np.ndarray) -> None:
+        self.model = model
+        self.frame = frame
+        self.scene = estimate_scene(frame)
+        self.unread = self.scene is None
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        k, h = candidates.shape[:2]
+        if self.scene is None:
+            return np.broadcast_to(self.frame, (k, h, *self.frame.shape)).copy()
+        start = np.broadcast_to(scene_array(self.scene), (k, OUTPUTS))
+        scenes = self.model.roll_out(start, candidates)
+        canvas = _canvas(self.frame.shape[1])
+        out = np.empty((k, h, *self.frame.shape), np.uint8)
+        for i in range(k):
+            for j in range(h):
+                r = scenes[i, j]
+                out[i, j] = draw_scene(canvas, Scene((r[0], r[1]), (r[2], r[3], r[4])))
+            await asyncio.sleep(0)  # milliseconds of drawing per candidate: let the event loop breathe
+        return out
+
+
+_CANVAS: PushTWorld | None = None  # one environment per process to draw scenes on
+
+
+def _canvas(size: int) -> PushTWorld:
+    """This process's drawing environment for frames of `size` px (never the real one:
+    drawing a scene moves the bodies)."""
+    global _CANVAS
+    if _CANVAS is None or _CANVAS.size != size:
+        if _CANVAS is not None:
+            _CANVAS.close()
+        _CANVAS = PushTWorld(size)
+        _CANVAS.reset(0)
+    return _CANVAS

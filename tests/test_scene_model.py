@@ -1,0 +1,188 @@
+"""streamworld.pusht.scene_model: the scene functions, the model's rollouts, its file, and
+planning with it in the world model's place (`eval pusht --plan --scene-model`)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from streamworld.pusht.pose import draw_scene, estimate_scene
+from streamworld.pusht.scene_model import (
+    SceneModel,
+    SceneModelRollouts,
+    apply,
+    features,
+    scene_array,
+    targets,
+)
+from streamworld.pusht.world import PushTWorld, Scene
+
+
+def _scenes(rng, n):
+    return np.column_stack([rng.uniform(0, 512, (n, 4)), rng.uniform(-3, 3, n)])
+
+
+def _still(width=8) -> SceneModel:
+    """A model that predicts no change."""
+    model = SceneModel(width)
+    torch.nn.init.zeros_(model.net[-1].weight)
+    torch.nn.init.zeros_(model.net[-1].bias)
+    return model.eval()
+
+
+def test_a_change_applied_to_a_scene_gives_the_scene_it_was_taken_to():
+    rng = np.random.default_rng(0)
+    now = _scenes(rng, 50)
+    after = now + np.column_stack([rng.normal(0, 10, (50, 4)), rng.normal(0, 0.2, 50)])
+    np.testing.assert_allclose(apply(now, targets(now, after)), after, atol=1e-9)
+    before = now - 1.0
+    shifted = now.copy()
+    shifted[:, [0, 2]] += 100.0  # the agent and the block moved together
+    np.testing.assert_allclose(
+        features(before, now, now[:, :2] + 5),
+        features(before + np.array([100, 0, 100, 0, 0]), shifted, now[:, :2] + [105, 5]),
+        atol=1e-9,
+    )
+
+
+def test_the_scene_functions_give_tensors_what_they_give_arrays():
+    rng = np.random.default_rng(1)
+    before, now = _scenes(rng, 20), _scenes(rng, 20)
+    action = rng.uniform(0, 512, (20, 2))
+    change = rng.normal(0, 1, (20, 5))
+    t = torch.tensor
+    for f, args in ((features, (before, now, action)), (targets, (before, now)), (apply, (now, change))):
+        np.testing.assert_allclose(f(*(t(a) for a in args)).numpy(), f(*args), atol=1e-9)
+
+
+def test_a_batch_rolls_out_as_each_candidate_alone_and_as_the_training_step():
+    torch.manual_seed(0)
+    model = SceneModel(16, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5])).eval()
+    rng = np.random.default_rng(2)
+    start = _scenes(rng, 4)
+    actions = rng.uniform(0, 512, (4, 6, 2))
+    batch = model.roll_out(start, actions)
+    assert batch.shape == (4, 6, 5)
+    for i in range(4):
+        np.testing.assert_allclose(
+            model.roll_out(start[i : i + 1], actions[i : i + 1])[0], batch[i], atol=1e-9
+        )
+    # The first step from rest is the differentiable `step` training calls.
+    s = torch.tensor(start, dtype=torch.float32)
+    first = model.step(s, s, torch.tensor(actions[:, 0], dtype=torch.float32))
+    np.testing.assert_allclose(first.detach().numpy(), batch[:, 0], atol=1e-3)
+    # Each step goes on from the last, with the move that led to it.
+    with torch.no_grad():
+        x = torch.tensor(features(batch[:, 0], batch[:, 1], actions[:, 2]), dtype=torch.float32)
+        third = apply(batch[:, 1], (model(x) * model.scale).double().numpy())
+    np.testing.assert_allclose(batch[:, 2], third, atol=1e-9)
+    assert not np.allclose(batch[:, 0], batch[:, 1])
+    np.testing.assert_allclose(_still().roll_out(start, actions), np.repeat(start[:, None], 6, 1))
+
+
+def test_a_saved_model_loads_and_predicts_the_same(tmp_path):
+    torch.manual_seed(1)
+    model = SceneModel(12, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5]))
+    path = tmp_path / "scene.safetensors"
+    model.save(path, {"episodes": "3"})
+    loaded = SceneModel.load(path)
+    assert loaded.width == 12 and not loaded.training
+    x = torch.randn(7, 8)
+    torch.testing.assert_close(loaded(x), model(x))
+    torch.testing.assert_close(loaded.scale, model.scale)
+
+
+def test_a_file_that_is_not_a_scene_model_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        SceneModel.load(tmp_path / "missing.safetensors")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors at all")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        SceneModel.load(junk)
+    other = tmp_path / "other.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(2)}, str(other), metadata={"format": "something else"})
+    with pytest.raises(ValueError, match="not a scene model"):
+        SceneModel.load(other)
+    wrong = tmp_path / "wrong.safetensors"
+    SceneModel(8).save(wrong)
+    tensors = safetensors.torch.load_file(str(wrong))
+    safetensors.torch.save_file(
+        tensors, str(wrong), metadata={"format": "streamworld-pusht-scene-model/1", "width": "9"}
+    )
+    with pytest.raises(ValueError, match="do not fit a width-9"):
+        SceneModel.load(wrong)
+    safetensors.torch.save_file(tensors, str(wrong), metadata={"format": "streamworld-pusht-scene-model/1"})
+    with pytest.raises(ValueError, match="no width"):
+        SceneModel.load(wrong)
+
+
+def test_rollouts_draw_the_predicted_scenes_from_the_scene_the_frame_shows():
+    world = PushTWorld(64)
+    frame = world.reset(3)
+    seen = estimate_scene(frame)
+    assert seen is not None
+    rollouts = SceneModelRollouts(_still(), frame)
+    assert not rollouts.unread
+    candidates = np.random.default_rng(0).uniform(0, 512, (3, 4, 2))
+    out = asyncio.run(rollouts(candidates))
+    assert out.shape == (3, 4, 64, 64, 3) and out.dtype == np.uint8
+    canvas = PushTWorld(64)
+    canvas.reset(0)
+    np.testing.assert_array_equal(out[2, 3], draw_scene(canvas, seen))
+    # A model that moves the agent right by one step's scale draws it there.
+    right = SceneModel(8, torch.ones(5))
+    torch.nn.init.zeros_(right.net[-1].weight)
+    with torch.no_grad():
+        right.net[-1].bias.copy_(
+            torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0])
+        )  # 10 world units in the block's frame
+    out = asyncio.run(SceneModelRollouts(right.eval(), frame)(candidates[:1, :1]))
+    moved = scene_array(seen)
+    moved[0] += 10 * np.cos(seen.block[2])
+    moved[1] += 10 * np.sin(seen.block[2])
+    expected = draw_scene(canvas, Scene(tuple(moved[:2]), tuple(moved[2:])))
+    np.testing.assert_array_equal(out[0, 0], expected)
+    world.close()
+    canvas.close()
+
+
+def test_rollouts_from_a_frame_without_a_t_are_the_frame_unchanged():
+    blank = np.full((64, 64, 3), 255, np.uint8)
+    rollouts = SceneModelRollouts(_still(), blank)
+    assert rollouts.unread
+    out = asyncio.run(rollouts(np.zeros((2, 3, 2))))
+    assert out.shape == (2, 3, 64, 64, 3) and (out == 255).all()
+
+
+def test_eval_plan_with_a_scene_model_reports_it(tmp_path, capsys):
+    from streamworld.cli import main
+
+    path = tmp_path / "scene.safetensors"
+    _still().save(path)
+    out = tmp_path / "plan.json"
+    args = ["eval", "pusht", "--plan", "--scene-model", str(path), "--seeds", "0", "--samples", "4"]
+    args += ["--elites", "2", "--iterations", "1", "--budget", "8", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["rollouts"] == "scene-model" and report["scene_model"] == "scene.safetensors"
+    assert report["scene_model_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert len(report["episodes"]) == 1
+
+
+def test_eval_plan_refuses_a_bad_scene_model_and_model_options(tmp_path, capsys):
+    from streamworld.cli import main
+
+    assert main(["eval", "pusht", "--plan", "--scene-model", str(tmp_path / "none.safetensors")]) == 2
+    assert "--scene-model:" in capsys.readouterr().err
+    path = tmp_path / "scene.safetensors"
+    _still().save(path)
+    assert main(["eval", "pusht", "--plan", "--scene-model", str(path), "--dit", "x.safetensors"]) == 2
+    assert "--scene-model plans without the world model" in capsys.readouterr().err
+    assert main(["eval", "pusht", "--plan", "--scene-model", str(path), "--simulator"]) == 2
+    assert "pick one" in capsys.readouterr().err

@@ -22,6 +22,10 @@ true environment from the same state. Per task it reports:
   for other ways of choosing to be tried offline.
 
     python benchmarks/plan_ranking.py --model pusht-delta --proposals 6 --seeds 0-19 --json ranking.json
+    python benchmarks/plan_ranking.py --scene-model scene.safetensors --seeds 0-19 --json ranking.json
+
+`--scene-model FILE` ranks with a scene model (`streamworld.pusht.scene_model`) instead of
+the world model, as `eval pusht --plan --scene-model` plans with it.
 
 On a CPU the model's rollouts take most of the time: one plan of 16 x 3 is about 40 s on
 one core of a 2-core machine.
@@ -34,6 +38,7 @@ import asyncio
 import json
 import platform
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -41,10 +46,18 @@ import numpy as np
 
 from streamworld.engine import AsyncEngine
 from streamworld.models import get_preset
-from streamworld.planning import CEMConfig, EngineRollouts, cem, planning_engine_config
+from streamworld.planning import (
+    CEMConfig,
+    EngineRollouts,
+    Rollouts,
+    cem,
+    close_rollouts,
+    planning_engine_config,
+)
 from streamworld.pusht.evaluate import parse_seeds
 from streamworld.pusht.planning import frame_cost, make_task, reached
 from streamworld.pusht.proposals import PushProposals, block_middle, check_count
+from streamworld.pusht.scene_model import SceneModel, SceneModelRollouts
 
 
 def ranks(values: np.ndarray) -> np.ndarray:
@@ -85,10 +98,17 @@ def origins(iteration: int, samples: int, proposals: int) -> list[str]:
     return ["mean"] + ["random"] * (samples - 1)
 
 
-async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposals: int) -> dict:
-    """One task's first plan, every fork scored by the model and by the truth."""
-    task = make_task(seed, engine.model.config.height)
-    world, frame = task.start(engine.model.config.height)
+async def first_plan(
+    rollouts_for: Callable[[np.ndarray, int], Rollouts],
+    size: int,
+    seed: int,
+    config: CEMConfig,
+    proposals: int,
+) -> dict:
+    """One task's first plan, every fork scored by the model (`rollouts_for(frame, seed)`)
+    and by the truth."""
+    task = make_task(seed, size)
+    world, frame = task.start(size)
     cost = frame_cost(task.goal_frame)
     proposed = PushProposals(task.goal_frame, proposals)(frame, config.knots) if proposals else None
     forks = []
@@ -107,13 +127,13 @@ async def first_plan(engine: AsyncEngine, seed: int, config: CEMConfig, proposal
         )
         return frames
 
-    model = EngineRollouts(engine, frame, seed)
+    model = rollouts_for(frame, seed)
     try:
         rng = np.random.default_rng(seed)
         agent = np.array(world.scene.agent)
         plan = await cem(rollouts, cost, agent, config, rng, proposals=proposed)
     finally:
-        model.close()
+        await close_rollouts(model)
     mean_actions = config.actions(np.clip(plan.mean, config.low, config.high), agent)
     frames, reaches, distances = true_rollouts(world, mean_actions[None].astype(np.float32), task.goal)
     final_mean = {
@@ -214,18 +234,36 @@ async def run(args: argparse.Namespace) -> dict:
     from streamworld.models.world_model import WeightPaths
 
     config = search(args)
-    model = load_world_model(
-        get_preset(args.model), WeightPaths(dit=args.dit), LoadOptions(device=args.device, dtype="float32")
-    )
+    size = get_preset(args.model).height
     rows = []
-    async with AsyncEngine(model, planning_engine_config(config.samples)) as engine:
+    if args.scene_model:
+        scene_model = SceneModel.load(args.scene_model)
         for seed in args.seeds:
-            rows.append(await first_plan(engine, seed, config, args.proposals))
+            rows.append(
+                await first_plan(
+                    lambda f, s: SceneModelRollouts(scene_model, f), size, seed, config, args.proposals
+                )
+            )
             print(json.dumps(rows[-1]), flush=True)
+    else:
+        model = load_world_model(
+            get_preset(args.model),
+            WeightPaths(dit=args.dit),
+            LoadOptions(device=args.device, dtype="float32"),
+        )
+        async with AsyncEngine(model, planning_engine_config(config.samples)) as engine:
+            for seed in args.seeds:
+                rows.append(
+                    await first_plan(
+                        lambda f, s: EngineRollouts(engine, f, s), size, seed, config, args.proposals
+                    )
+                )
+                print(json.dumps(rows[-1]), flush=True)
     return {
         "benchmark": "plan_ranking",
         "model": args.model,
         "weights": Path(args.dit).name if args.dit else "shipped",
+        "scene_model": args.scene_model.name if args.scene_model else None,
         "device": args.device,
         "proposals": args.proposals,
         "cem": vars(config),
@@ -269,6 +307,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="most an action moves a step; 0: targets held (default 0)",
     )
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu or cuda[:N] (default cpu)")
+    parser.add_argument(
+        "--scene-model",
+        type=Path,
+        metavar="FILE",
+        help="rank with a scene model (`benchmarks/pusht_state_dynamics.py --save`) instead of the world "
+        "model, as `eval pusht --plan --scene-model` plans with it",
+    )
     parser.add_argument("--json", type=Path, help="write the report here")
     return parser
 
@@ -283,6 +328,13 @@ def main() -> None:
         parser.error(str(e))
     if args.dit and not Path(args.dit).is_file():
         parser.error(f"--dit: {args.dit} does not exist")
+    if args.scene_model and args.dit:
+        parser.error("--scene-model ranks without the world model: drop --dit")
+    if args.scene_model:
+        try:
+            SceneModel.load(args.scene_model)
+        except ValueError as e:
+            parser.error(f"--scene-model: {e}")
     if args.json and not args.json.parent.is_dir():
         parser.error(f"--json: the folder {args.json.parent} does not exist")
     report = asyncio.run(run(args))

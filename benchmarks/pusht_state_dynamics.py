@@ -179,7 +179,9 @@ def score_rollouts(model: SceneModel, seeds: list[int]) -> list[dict]:
 def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     """The model trained as `args` say, on episodes recorded for it (written to `--save`),
     and the report's data, model and seconds."""
-    spec = DatasetSpec(args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share)
+    spec = DatasetSpec(
+        args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share, args.jump_share
+    )
     started = time.perf_counter()
     recorded = record(spec, args.workers)
     record_seconds = time.perf_counter() - started
@@ -198,13 +200,15 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     train_seconds = time.perf_counter() - started - record_seconds
     trained = {"train_steps": taken_steps, "rollout_steps": args.rollout_steps, "batch": args.batch}
     if args.save:
-        model.save(args.save, {"episodes": str(spec.episodes), "data_seed": str(spec.seed), **trained})
+        data = {"episodes": spec.episodes, "data_seed": spec.seed, "jump_share": spec.jump_share}
+        model.save(args.save, {**data, **trained})
     return model, {
         "data": {
             "episodes": spec.episodes,
             "steps": spec.steps,
             "seed": spec.seed,
             "push_share": spec.push_share,
+            "jump_share": spec.jump_share,
         },
         "model": {
             "width": args.width,
@@ -253,6 +257,13 @@ def make_parser() -> argparse.ArgumentParser:
         default=0.85,
         help=f"the policy's share of pushes (default 0.85, as the world model's rounds since 4; "
         f"train pusht's own default is {PUSH_SHARE})",
+    )
+    parser.add_argument(
+        "--jump-share",
+        type=float,
+        default=0.0,
+        help="the policy's share of moves whose target jumps and is held, as the planner's candidates' "
+        "targets do (train pusht --jump-share; default 0)",
     )
     parser.add_argument(
         "--train-steps", type=int, default=20000, help="training steps of 1024 samples (default 20000)"

@@ -186,3 +186,35 @@ def test_eval_plan_refuses_a_bad_scene_model_and_model_options(tmp_path, capsys)
     assert "--scene-model plans without the world model" in capsys.readouterr().err
     assert main(["eval", "pusht", "--plan", "--scene-model", str(path), "--simulator"]) == 2
     assert "pick one" in capsys.readouterr().err
+
+
+def test_the_plan_ranking_benchmark_ranks_with_a_scene_model(tmp_path):
+    """benchmarks/plan_ranking.py --scene-model: a tiny first plan through the scene model and
+    the truth. A model that predicts no change gives every candidate the same cost, so its
+    costs do not follow the truth's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path / "scene.safetensors"
+    _still().save(path)
+    out = tmp_path / "ranking.json"
+    cmd = [sys.executable, "benchmarks/plan_ranking.py", "--seeds", "3", "--samples", "4", "--elites", "2"]
+    cmd += ["--iterations", "1", "--plan-horizon", "8", "--proposals", "1"]
+    done = subprocess.run(
+        [*cmd, "--scene-model", str(path), "--json", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["scene_model"] == "scene.safetensors"
+    (fork,) = report["tasks"][0]["forks"]
+    assert len(set(fork["model_costs"])) == 1 and len(set(fork["true_costs"])) > 1
+    bad = subprocess.run(
+        [*cmd, "--scene-model", str(tmp_path / "none.safetensors")], cwd=root, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--scene-model:" in bad.stderr

@@ -240,6 +240,36 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the network trains: steps, time, batch, rollouts and width."""
+    parser.add_argument(
+        "--train-steps", type=int, default=20000, help="training steps of --batch samples (default 20000)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=BATCH,
+        help=f"samples per training step: scenes, or rollout steps (--batch / --rollout-steps rollouts) "
+        f"(default {BATCH}; on a GPU, larger batches cost about as much time per step)",
+    )
+    parser.add_argument(
+        "--train-minutes",
+        type=float,
+        default=0.0,
+        help="also end training after this many minutes, the learning rate's cosine following the "
+        "time where it is further along than the steps (default 0: no time limit)",
+    )
+    parser.add_argument(
+        "--rollout-steps",
+        type=int,
+        default=1,
+        help="train through rollouts of this many steps, from true scenes under the episodes' "
+        "actions, scored at every step (default 1: one step ahead, as the world model's "
+        f"teacher-forced objective); at most {MAX_ROLLOUT}",
+    )
+    parser.add_argument("--width", type=int, default=256, help="the network's width (default 256)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -265,32 +295,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="the policy's share of moves whose target jumps and is held, as the planner's candidates' "
         "targets do (train pusht --jump-share; default 0)",
     )
-    parser.add_argument(
-        "--train-steps", type=int, default=20000, help="training steps of 1024 samples (default 20000)"
-    )
-    parser.add_argument(
-        "--batch",
-        type=int,
-        default=BATCH,
-        help=f"samples per training step: scenes, or rollout steps (--batch / --rollout-steps rollouts) "
-        f"(default {BATCH}; on a GPU, larger batches cost about as much time per step)",
-    )
-    parser.add_argument(
-        "--train-minutes",
-        type=float,
-        default=0.0,
-        help="also end training after this many minutes, the learning rate's cosine following the "
-        "time where it is further along than the steps (default 0: no time limit)",
-    )
-    parser.add_argument(
-        "--rollout-steps",
-        type=int,
-        default=1,
-        help="train through rollouts of this many steps, from true scenes under the episodes' "
-        "actions, scored at every step (default 1: one step ahead, as the world model's "
-        f"teacher-forced objective); at most {MAX_ROLLOUT}",
-    )
-    parser.add_argument("--width", type=int, default=256, help="the network's width (default 256)")
+    _add_training_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     parser.add_argument("--workers", type=int, default=2, help="recording processes (default 2)")
     parser.add_argument(

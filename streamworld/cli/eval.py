@@ -334,6 +334,13 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
         raise UsageError("--teacher-forced evaluates prediction: drop it with --plan")
     if args.kv_modes and len(set(args.kv_modes)) > 1:
         raise UsageError("--plan takes one --kv-mode: the KV mode of the planning streams")
+    _check_rollouts_without_the_model(args)
+    _ensemble_members(args)
+
+
+def _check_rollouts_without_the_model(args: argparse.Namespace) -> None:
+    """--simulator and --scene-model: one at a time, without the world model's options, and
+    a scene model file that loads."""
     model_options = (
         args.dit
         or args.cuda_graphs
@@ -357,7 +364,6 @@ def _check_plan_arguments(args: argparse.Namespace, config) -> None:
             SceneModel.load(args.scene_model)
         except ValueError as e:
             raise UsageError(f"--scene-model: {e}") from None
-    _ensemble_members(args)
 
 
 def _print_plan_summary(s: dict) -> None:
@@ -373,37 +379,12 @@ def _print_plan_summary(s: dict) -> None:
 async def _rollouts(args: argparse.Namespace, config):
     """(what plans, frame size, rollouts_for(frame, world, seed), counters()) for
     `_plan_episodes`; counters() gives the engines' batches and CUDA graphs so far (None
-    in the true environment)."""
+    without the world model: `_rollouts_without_the_model`)."""
     from ..engine import AsyncEngine
-    from ..models import get_preset
     from ..planning import EngineRollouts, EnsembleRollouts, planning_engine_config
-    from ..pusht.planning import SimulatorRollouts
 
-    if args.simulator:
-        size = get_preset(args.model).height
-        yield (
-            {"model": args.model, "rollouts": "simulator", "device": "cpu"},
-            size,
-            lambda frame, world, seed: SimulatorRollouts(world),
-            lambda: None,
-        )
-        return
-    if args.scene_model:
-        from ..pusht.scene_model import SceneModel, SceneModelRollouts
-
-        scene_model = SceneModel.load(args.scene_model)
-        yield (
-            {
-                "model": args.model,
-                "rollouts": "scene-model",
-                "scene_model": args.scene_model.name,
-                "scene_model_sha256": hashlib.sha256(args.scene_model.read_bytes()).hexdigest(),
-                "device": "cpu",
-            },
-            get_preset(args.model).height,
-            lambda frame, world, seed: SceneModelRollouts(scene_model, frame),
-            lambda: None,
-        )
+    if args.simulator or args.scene_model:
+        yield _rollouts_without_the_model(args)
         return
     model = _load(args)
     members = [(m, dit, _load(args, m, dit, "--ensemble")) for m, dit in _ensemble_members(args)]
@@ -438,6 +419,30 @@ async def _rollouts(args: argparse.Namespace, config):
             rollouts_for,
             lambda: _engine_counters([engine, *others]),
         )
+
+
+def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
+    """`_rollouts`' tuple for --simulator (the true environment) or --scene-model (a scene
+    model's predictions, drawn), both on the CPU with no engine."""
+    from ..models import get_preset
+
+    size = get_preset(args.model).height
+    if args.simulator:
+        from ..pusht.planning import SimulatorRollouts
+
+        planner = {"model": args.model, "rollouts": "simulator", "device": "cpu"}
+        return planner, size, lambda frame, world, seed: SimulatorRollouts(world), lambda: None
+    from ..pusht.scene_model import SceneModel, SceneModelRollouts
+
+    scene_model = SceneModel.load(args.scene_model)
+    planner = {
+        "model": args.model,
+        "rollouts": "scene-model",
+        "scene_model": args.scene_model.name,
+        "scene_model_sha256": hashlib.sha256(args.scene_model.read_bytes()).hexdigest(),
+        "device": "cpu",
+    }
+    return planner, size, lambda frame, world, seed: SceneModelRollouts(scene_model, frame), lambda: None
 
 
 def _engine_counters(engines: list) -> dict:

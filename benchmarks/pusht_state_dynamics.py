@@ -199,9 +199,11 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     )
     train_seconds = time.perf_counter() - started - record_seconds
     trained = {"train_steps": taken_steps, "rollout_steps": args.rollout_steps, "batch": args.batch}
+    saved = {}
     if args.save:
         data = {"episodes": spec.episodes, "data_seed": spec.seed, "jump_share": spec.jump_share}
         model.save(args.save, {**data, **trained})
+        saved = {"saved": args.save.name, "sha256": hashlib.sha256(args.save.read_bytes()).hexdigest()}
     return model, {
         "data": {
             "episodes": spec.episodes,
@@ -216,6 +218,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
             "train_minutes": args.train_minutes,
             "samples": samples,
             "final_loss": round(loss, 5),
+            **saved,
         },
         "seconds": {"record": round(record_seconds, 1), "train": round(train_seconds, 1)},
     }

@@ -50,6 +50,7 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     assert set(report["horizons"]) == {str(h) for h in dyn.HORIZONS}
     assert report["model"]["samples"] == 3 * 40
     assert all(v["block_px_mean"] is None or v["block_px_mean"] >= 0 for v in report["horizons"].values())
+    assert report["model"]["saved"] == "scene.safetensors" and len(report["model"]["sha256"]) == 64
     saved = SceneModel.load(tmp_path / "scene.safetensors")
     assert saved.width == 16 and saved.scale.shape == (5,) and not torch.all(saved.scale == 1)
     assert saved.metadata == {

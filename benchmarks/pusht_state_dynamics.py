@@ -48,9 +48,8 @@ import torch
 
 from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
-from streamworld.pusht.pose import draw_scene
-from streamworld.pusht.scene_model import SceneModel, features, targets
-from streamworld.pusht.world import PushTWorld, Scene
+from streamworld.pusht.scene_model import SceneModel, draw_scenes, features, targets
+from streamworld.pusht.world import PushTWorld
 
 HORIZONS = (8, 16, 24, 32)
 SIZE = 64
@@ -170,8 +169,7 @@ def score_rollouts(model: SceneModel, seeds: list[int]) -> list[dict]:
         start = np.asarray(scene_row(world.scene), np.float64)
         pred = model.roll_out(start[None], ep.actions[None].astype(np.float64))[0]
         world.reset(0)
-        scenes = [Scene((r[0], r[1]), (r[2], r[3], r[4])) for r in pred.tolist()]
-        rows.append(block_scores(np.stack([draw_scene(world, c) for c in scenes]), ep, HORIZONS))
+        rows.append(block_scores(draw_scenes(world, pred), ep, HORIZONS))
     world.close()
     return rows
 

@@ -12,13 +12,13 @@ import pytest
 import safetensors.torch
 import torch
 
+from streamworld.pusht.data import scene_row
 from streamworld.pusht.pose import draw_scene, estimate_scene
 from streamworld.pusht.scene_model import (
     SceneModel,
     SceneModelRollouts,
     apply,
     features,
-    scene_array,
     targets,
 )
 from streamworld.pusht.world import PushTWorld, Scene
@@ -143,7 +143,7 @@ def test_rollouts_draw_the_predicted_scenes_from_the_scene_the_frame_shows():
             torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0])
         )  # 10 world units in the block's frame
     out = asyncio.run(SceneModelRollouts(right.eval(), frame)(candidates[:1, :1]))
-    moved = scene_array(seen)
+    moved = np.array(scene_row(seen), np.float64)
     moved[0] += 10 * np.cos(seen.block[2])
     moved[1] += 10 * np.sin(seen.block[2])
     expected = draw_scene(canvas, Scene(tuple(moved[:2]), tuple(moved[2:])))

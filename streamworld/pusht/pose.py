@@ -184,7 +184,20 @@ def _one_motion(previous: Scene, scene: Scene) -> bool:
     )
 
 
-_WORLD: PushTWorld | None = None  # one environment per process, reused by `continue_frames`
+_WORLD: PushTWorld | None = None  # one environment per process: `process_world`
+
+
+def process_world(size: int) -> PushTWorld:
+    """This process's own environment for frames of `size` px, made (and reset) once and
+    reused: for simulating or drawing placed scenes (`simulate`, `draw_scene`), never the
+    real episode's environment, whose bodies those move."""
+    global _WORLD
+    if _WORLD is None or _WORLD.size != size:
+        if _WORLD is not None:
+            _WORLD.close()
+        _WORLD = PushTWorld(size)
+        _WORLD.reset(0)
+    return _WORLD
 
 
 def continue_frames(job: tuple) -> np.ndarray | None:
@@ -194,13 +207,9 @@ def continue_frames(job: tuple) -> np.ndarray | None:
     the scene the two frames show (`estimate_scene`, `place`). None where either frame
     does not show both the agent and a T-shaped block, or where the two scenes are further
     apart than one step can move them (`MAX_STEP`). One job per call, for process pools."""
-    global _WORLD
     before, frame, actions, *rest = job
     limit = rest[0] if rest else MAX_MISMATCH
     scene, previous = estimate_scene(frame, limit), estimate_scene(before, limit)
     if scene is None or previous is None or not _one_motion(previous, scene):
         return None
-    size = frame.shape[0]
-    if _WORLD is None or _WORLD.size != size:
-        _WORLD = PushTWorld(size)
-    return simulate(_WORLD, scene, previous, actions)
+    return simulate(process_world(frame.shape[0]), scene, previous, actions)

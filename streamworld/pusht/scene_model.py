@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .pose import draw_scene, estimate_scene
+from .data import scene_row
+from .pose import draw_scene, estimate_scene, process_world
 from .world import PushTWorld, Scene
 
 INPUTS, OUTPUTS = 8, 5
@@ -85,9 +86,10 @@ def apply(now, change):
     )
 
 
-def scene_array(scene: Scene) -> np.ndarray:
-    """[5]: agent x, y, block x, y, angle."""
-    return np.array([*scene.agent, *scene.block], np.float64)
+def draw_scenes(world: PushTWorld, scenes: np.ndarray) -> np.ndarray:
+    """Frames [N, H, W, 3] uint8 of scenes [N, 5] (agent x, y, block x, y, angle), each
+    drawn at rest on `world` (`pose.draw_scene`)."""
+    return np.stack([draw_scene(world, Scene((r[0], r[1]), (r[2], r[3], r[4]))) for r in scenes.tolist()])
 
 
 class SceneModel(nn.Module):
@@ -188,42 +190,28 @@ class SceneModelRollouts:
     """The planner's rollouts (`planning.Rollouts`) from a `SceneModel`: each candidate's
     scenes are predicted from the scene the observed frame shows (`pose.estimate_scene`, at
     rest) and drawn as the environment draws a scene at rest, so the planner's cost reads
-    them as it reads the world model's frames. Where the observed frame shows no T to read,
-    every candidate is the observed frame unchanged (`unread` counts those plans), so the
-    plan's search learns nothing and its mean stands."""
+    them as it reads the world model's frames. Where the observed frame shows no T to read
+    (`unread`), every candidate is the observed frame unchanged, so the plan's search
+    learns nothing and its mean stands."""
 
     def __init__(self, model: SceneModel, frame: np.ndarray) -> None:
         self.model = model
         self.frame = frame
         self.scene = estimate_scene(frame)
-        self.unread = self.scene is None
+
+    @property
+    def unread(self) -> bool:
+        return self.scene is None
 
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
         k, h = candidates.shape[:2]
         if self.scene is None:
             return np.broadcast_to(self.frame, (k, h, *self.frame.shape)).copy()
-        start = np.broadcast_to(scene_array(self.scene), (k, OUTPUTS))
+        start = np.broadcast_to(np.array(scene_row(self.scene), np.float64), (k, OUTPUTS))
         scenes = self.model.roll_out(start, candidates)
-        canvas = _canvas(self.frame.shape[1])
+        world = process_world(self.frame.shape[1])
         out = np.empty((k, h, *self.frame.shape), np.uint8)
         for i in range(k):
-            for j in range(h):
-                r = scenes[i, j]
-                out[i, j] = draw_scene(canvas, Scene((r[0], r[1]), (r[2], r[3], r[4])))
+            out[i] = draw_scenes(world, scenes[i])
             await asyncio.sleep(0)  # milliseconds of drawing per candidate: let the event loop breathe
         return out
-
-
-_CANVAS: PushTWorld | None = None  # one environment per process to draw scenes on
-
-
-def _canvas(size: int) -> PushTWorld:
-    """This process's drawing environment for frames of `size` px (never the real one:
-    drawing a scene moves the bodies)."""
-    global _CANVAS
-    if _CANVAS is None or _CANVAS.size != size:
-        if _CANVAS is not None:
-            _CANVAS.close()
-        _CANVAS = PushTWorld(size)
-        _CANVAS.reset(0)
-    return _CANVAS

@@ -29,6 +29,13 @@ step ahead and 8 through rollouts of 8 steps. The model itself is
 and `streamworld eval pusht --plan --scene-model FILE` (plan with it). `--device cuda` trains
 on a GPU, where a step takes about as long for any `--batch` (the rollouts' many small
 operations bound it), and `--train-minutes` ends training on time.
+
+The block error under the eval's scripted actions does not tell how a model plans
+(`docs/planning.md`). So the model is also judged under actions like the planner's
+(`--judge-candidates`, the report's `candidates`): from each eval seed's task start, 24-step
+candidates drawn as the planner draws them toward the task's goal, the block's error
+against the environment's at 8, 16 and 24 steps. `--candidate-share` records that share of
+the training episodes with such actions (`proposals.CandidatePolicy`).
 """
 
 from __future__ import annotations
@@ -48,24 +55,33 @@ import torch
 
 from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
+from streamworld.pusht.planning import make_task
+from streamworld.pusht.proposals import CandidatePolicy, block_middle
 from streamworld.pusht.scene_model import SceneModel, draw_scenes, features, targets
-from streamworld.pusht.world import PushTWorld
+from streamworld.pusht.world import WORLD_SIZE, PushTWorld, angle_error
 
 HORIZONS = (8, 16, 24, 32)
+CANDIDATE_HORIZONS = (8, 16, 24)  # a plan's candidates cover 24 steps
 SIZE = 64
 BATCH = 1024  # default samples per training step: scenes, or rollout steps
 MAX_ROLLOUT = 32
+CANDIDATE_DRAW = 17  # mixed into an episode's seed to draw whether it records candidates
+JUDGE_SEED = 50_000  # added to an eval seed for the candidates it is judged under
 
 
-def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray]:
+def record_scenes(args: tuple[int, DatasetSpec, float]) -> tuple[np.ndarray, np.ndarray]:
     """One training episode's scenes [steps + 1, 5] and actions [steps, 2], the frames not
-    drawn (the same seeds and policy as `data.record_episode`)."""
+    drawn: the seeds and policy of `data.record_episode`, or, for a `candidate_share` of
+    the episodes (drawn by the episode's seed), `CandidatePolicy`'s planner-like actions."""
     from streamworld.pusht.policy import ScriptedPolicy
 
-    index, spec = args
+    index, spec, candidate_share = args
     seed = spec.episode_seed(index)
     world = PushTWorld(SIZE)
-    policy = ScriptedPolicy(seed, spec.push_share, spec.jump_share)
+    if candidate_share and np.random.default_rng([seed, CANDIDATE_DRAW]).random() < candidate_share:
+        policy = CandidatePolicy(seed)
+    else:
+        policy = ScriptedPolicy(seed, spec.push_share, spec.jump_share)
     world.reset(seed)
     scenes, actions = [scene_row(world.scene)], []
     for _ in range(spec.steps):
@@ -144,11 +160,13 @@ def train(
     return model.cpu().eval(), tail, len(x_all), len(losses)
 
 
-def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Every training episode's (scenes, actions), in `workers` processes."""
+def record(
+    spec: DatasetSpec, workers: int, candidate_share: float = 0.0
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every training episode's (scenes, actions), in `workers` processes (`record_scenes`)."""
     from tqdm import tqdm
 
-    jobs = [(i, spec) for i in range(spec.episodes)]
+    jobs = [(i, spec, candidate_share) for i in range(spec.episodes)]
     if workers == 1:
         return [record_scenes(job) for job in tqdm(jobs, desc="recording scenes", unit="episode")]
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -174,6 +192,67 @@ def score_rollouts(model: SceneModel, seeds: list[int]) -> list[dict]:
     return rows
 
 
+def score_candidates(model: SceneModel, seeds: list[int], per_seed: int) -> dict[str, dict]:
+    """The model's error under actions like the planner's: from each eval seed's task start
+    (`planning.make_task`, the true scene, at rest), `per_seed` candidates of
+    `CandidatePolicy` toward the task's goal, rolled out by the model and by the
+    environment. Per horizon, over all candidates and over those whose true block moved
+    more than a pixel: the block's middle's distance (pixels at 64 px) and angle error."""
+    from tqdm import tqdm
+
+    errors, moved = [], []
+    for seed in tqdm(seeds, desc="judging under candidates", unit="seed"):
+        task = make_task(seed, SIZE)
+        world, _ = task.start(SIZE)
+        policy = CandidatePolicy(seed + JUDGE_SEED)
+        candidates = np.stack([policy.candidate(world.scene, task.goal) for _ in range(per_seed)])
+        seed_errors, seed_moved = candidate_errors(model, world, candidates)
+        world.close()
+        errors.append(seed_errors)
+        moved.append(seed_moved)
+    return _candidate_summary(np.concatenate(errors), np.concatenate(moved))
+
+
+def candidate_errors(
+    model: SceneModel, world: PushTWorld, candidates: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Errors [K, H, (pixels, degrees)] of the model's block (its middle, its angle) under
+    candidates [K, H, 2] rolled out from `world`'s scene at rest, against the environment's
+    from `world` as it is; and whether each true block's middle moved more than a pixel."""
+    px = SIZE / WORLD_SIZE
+    start = np.array([scene_row(world.scene)], np.float64)
+    predicted = model.roll_out(np.repeat(start, len(candidates), 0), candidates)
+    errors, moved = np.empty((*candidates.shape[:2], 2)), np.empty(len(candidates), bool)
+    for k, (actions, guess) in enumerate(zip(candidates, predicted, strict=True)):
+        twin = world.replica()
+        for h, action in enumerate(actions):
+            twin.advance(action)
+            true, row = twin.scene.block, guess[h, 2:]
+            errors[k, h] = (
+                np.linalg.norm(block_middle(true) - block_middle(tuple(row))) * px,
+                angle_error(true[2], float(row[2])),
+            )
+        moved[k] = np.linalg.norm(block_middle(twin.scene.block) - block_middle(world.scene.block)) * px > 1
+        twin.close()
+    return errors, moved
+
+
+def _candidate_summary(errors: np.ndarray, moved: np.ndarray) -> dict[str, dict]:
+    """Per horizon of `CANDIDATE_HORIZONS`, `score_candidates`' summary of errors
+    [candidates, horizon, (px, degrees)]."""
+    out = {}
+    for h in CANDIDATE_HORIZONS:
+        at = errors[:, h - 1]
+        out[str(h)] = {
+            "block_px_mean": round(float(at[:, 0].mean()), 3),
+            "block_px_median": round(float(np.median(at[:, 0])), 3),
+            "block_deg_median": round(float(np.median(at[:, 1])), 3),
+            "moved_block_px_mean": round(float(at[moved, 0].mean()), 3) if moved.any() else None,
+            "moved_block_deg_median": round(float(np.median(at[moved, 1])), 3) if moved.any() else None,
+        }
+    return {"candidates": len(moved), "moved": int(moved.sum()), "horizons": out}
+
+
 def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     """The model trained as `args` say, on episodes recorded for it (written to `--save`),
     and the report's data, model and seconds."""
@@ -181,7 +260,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
         args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share, args.jump_share
     )
     started = time.perf_counter()
-    recorded = record(spec, args.workers)
+    recorded = record(spec, args.workers, args.candidate_share)
     record_seconds = time.perf_counter() - started
     model, loss, samples, taken_steps = train(
         [s for s, _ in recorded],
@@ -200,6 +279,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     saved = {}
     if args.save:
         data = {"episodes": spec.episodes, "data_seed": spec.seed, "jump_share": spec.jump_share}
+        data["candidate_share"] = args.candidate_share
         model.save(args.save, {**data, **trained})
         saved = {"saved": args.save.name, "sha256": hashlib.sha256(args.save.read_bytes()).hexdigest()}
     return model, {
@@ -209,6 +289,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
             "seed": spec.seed,
             "push_share": spec.push_share,
             "jump_share": spec.jump_share,
+            "candidate_share": args.candidate_share,
         },
         "model": {
             "width": args.width,
@@ -231,6 +312,11 @@ def run(args: argparse.Namespace) -> dict:
     else:
         model, about = record_and_train(args)
     rows = score_rollouts(model, args.seeds)
+    judged = (
+        {"candidates": score_candidates(model, args.seeds, args.judge_candidates)}
+        if args.judge_candidates
+        else {}
+    )
     return {
         "benchmark": "pusht_state_dynamics",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -238,6 +324,7 @@ def run(args: argparse.Namespace) -> dict:
         **about,
         "seeds": [args.seeds[0], args.seeds[-1], len(args.seeds)],
         "horizons": block_summary(rows, HORIZONS),
+        **judged,
     }
 
 
@@ -296,11 +383,29 @@ def make_parser() -> argparse.ArgumentParser:
         help="the policy's share of moves whose target jumps and is held, as the planner's candidates' "
         "targets do (train pusht --jump-share; default 0)",
     )
+    parser.add_argument(
+        "--candidate-share",
+        type=float,
+        default=0.0,
+        help="the share of episodes recorded with actions like the planner's candidates instead of "
+        "the scripted policy: 24-step stretches of colored noise around the agent or around a push or "
+        "turn proposal toward a goal like the tasks' (streamworld.pusht.proposals.CandidatePolicy; "
+        "default 0)",
+    )
     _add_training_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     parser.add_argument("--workers", type=int, default=2, help="recording processes (default 2)")
     parser.add_argument(
         "--seeds", type=parse_seeds, default=parse_seeds("0-99"), help="eval episode seeds (default 0-99)"
+    )
+    parser.add_argument(
+        "--judge-candidates",
+        type=int,
+        default=8,
+        metavar="N",
+        help="also judge the model under N candidates like the planner's per eval seed, from the "
+        "task's start toward its goal, against the environment (the report's `candidates`; default 8, "
+        "0: not judged)",
     )
     parser.add_argument(
         "--device",
@@ -332,6 +437,10 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if not 1 <= args.rollout_steps <= MAX_ROLLOUT:
         parser.error(f"--rollout-steps must be 1 to {MAX_ROLLOUT}")
+    if not 0 <= args.candidate_share <= 1:
+        parser.error("--candidate-share is a share from 0 to 1")
+    if args.judge_candidates < 0:
+        parser.error("--judge-candidates must be at least 0")
     if not args.train_minutes >= 0:
         parser.error("--train-minutes must be at least 0")
     if args.batch < args.rollout_steps:

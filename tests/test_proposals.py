@@ -15,6 +15,8 @@ from streamworld.pusht.proposals import (
     AGENT_RADIUS,
     CLEARANCE,
     ENDS,
+    VARIANTS,
+    CandidatePolicy,
     PushProposals,
     _clear,
     _knots,
@@ -286,3 +288,55 @@ def test_turns_bring_blocks_nearer_their_goals_angle_in_the_true_environment():
         better += bool(after) and min(after) < before - 5.0
     assert turned >= 12
     assert better >= 0.9 * turned, (turned, better)
+
+
+def test_proposals_toward_a_known_goal_scene_are_those_read_from_its_frame():
+    task = make_task(101, 64)
+    world, frame = task.start(64)
+    now = estimate_scene(frame)
+    read = PushProposals(task.goal_frame, 5)
+    known = PushProposals.toward(estimate_scene(task.goal_frame), 5)
+    np.testing.assert_array_equal(known.laid(now, 6), read(frame, 6))
+    assert len(known.laid(now, 6)) == 5
+    world.close()
+
+
+def _episode(policy, seed: int, steps: int) -> np.ndarray:
+    from streamworld.pusht.world import PushTWorld
+
+    world = PushTWorld(64)
+    world.reset(seed)
+    actions = []
+    for _ in range(steps):
+        actions.append(policy(world.scene))
+        world.advance(actions[-1])
+    world.close()
+    return np.array(actions)
+
+
+def test_candidate_policy_holds_each_knot_and_repeats_itself_by_seed():
+    actions = _episode(CandidatePolicy(3), 7, 48)
+    assert actions.shape == (48, 2) and actions.min() >= 0 and actions.max() <= 512
+    knots = actions.reshape(12, 4, 2)  # two candidates of 6 knots held 4 steps each
+    assert np.all(knots == knots[:, :1])
+    assert not np.all(knots[1:] == knots[:-1])  # the knots do move
+    np.testing.assert_array_equal(_episode(CandidatePolicy(3), 7, 48), actions)
+    assert not np.array_equal(_episode(CandidatePolicy(4), 7, 48), actions)
+
+
+def test_candidates_follow_a_proposal_or_wander_around_the_agent(monkeypatch):
+    now, goal = Scene((100.0, 400.0), UPRIGHT), RIGHT
+    laid = PushProposals.toward(goal, len(VARIANTS) + len(ENDS)).laid(now, 6)
+    monkeypatch.setattr(CandidatePolicy, "PROPOSAL_SPREADS", (0.0,))
+    proposing = CandidatePolicy(0, proposal_share=1.0)
+    for _ in range(10):
+        knots = proposing.candidate(now, goal)[::4]
+        assert any(np.array_equal(knots, path) for path in laid)
+    wandering = CandidatePolicy(0, proposal_share=0.0)
+    knots = np.stack([wandering.candidate(now, goal)[::4] for _ in range(400)])
+    assert not any(np.array_equal(k, path) for k in knots for path in laid)
+    np.testing.assert_allclose(knots.mean((0, 1)), now.agent, atol=20)
+    assert 50 < knots[:, 0].std(0).mean() < 90  # about init_std, less what the walls clip
+    drawn = CandidatePolicy(0, proposal_share=1.0).goal_like_tasks(now)
+    moved = np.linalg.norm(np.subtract(drawn.block[:2], now.block[:2]))
+    assert moved <= CandidatePolicy.GOAL_MOVE and drawn.block != now.block

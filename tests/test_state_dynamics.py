@@ -19,7 +19,7 @@ dyn = load_script("benchmarks/pusht_state_dynamics.py")
 
 def test_the_scenes_are_those_train_pusht_records():
     spec = DatasetSpec(episodes=2, steps=12, size=dyn.SIZE, seed=4, push_share=0.85)
-    scenes, actions = dyn.record_scenes((1, spec))
+    scenes, actions = dyn.record_scenes((1, spec, 0.0))
     seed = spec.episode_seed(1)
     _, true_actions, true_states = record_episode(seed, seed, 12, dyn.SIZE, 0.85)
     np.testing.assert_allclose(actions, true_actions, atol=1e-3)
@@ -33,6 +33,8 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
         data_seed=0,
         push_share=0.85,
         jump_share=0.0,
+        candidate_share=0.5,
+        judge_candidates=3,
         train_steps=20,
         width=16,
         seed=0,
@@ -51,6 +53,9 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     assert report["model"]["samples"] == 3 * 40
     assert all(v["block_px_mean"] is None or v["block_px_mean"] >= 0 for v in report["horizons"].values())
     assert report["model"]["saved"] == "scene.safetensors" and len(report["model"]["sha256"]) == 64
+    judged = report["candidates"]
+    assert judged["candidates"] == 2 * 3 and 0 <= judged["moved"] <= 6
+    assert set(judged["horizons"]) == {str(h) for h in dyn.CANDIDATE_HORIZONS}
     saved = SceneModel.load(tmp_path / "scene.safetensors")
     assert saved.width == 16 and saved.scale.shape == (5,) and not torch.all(saved.scale == 1)
     assert saved.metadata == {
@@ -58,6 +63,7 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
         "episodes": "3",
         "data_seed": "0",
         "jump_share": "0.0",
+        "candidate_share": "0.5",
         "train_steps": "20",
         "rollout_steps": "4",
         "batch": "64",
@@ -66,6 +72,7 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     args.load = tmp_path / "scene.safetensors"
     again = dyn.run(args)
     assert again["horizons"] == report["horizons"] and again["model"]["loaded"] == "scene.safetensors"
+    assert again["candidates"] == report["candidates"]
     assert again["model"]["rollout_steps"] == "4" and "data" not in again
 
 
@@ -87,3 +94,84 @@ def test_rollouts_build_on_their_own_predictions():
     start = episodes[e, t]
     expected = sum((targets(episodes[e, t + j + 1], start) ** 2).mean() for j in range(k)) / k
     assert loss.item() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_a_share_of_episodes_records_the_planners_kind_of_candidates():
+    from streamworld.pusht.proposals import CandidatePolicy
+    from streamworld.pusht.world import PushTWorld
+
+    spec = DatasetSpec(episodes=40, steps=24, size=dyn.SIZE, seed=1, push_share=0.85, jump_share=0.3)
+    kinds = []
+    for index in range(40):
+        _, actions = dyn.record_scenes((index, spec, 0.5))
+        seed = spec.episode_seed(index)
+        world, policy = PushTWorld(dyn.SIZE), CandidatePolicy(seed)
+        world.reset(seed)
+        replayed = []
+        for _ in range(24):
+            replayed.append(policy(world.scene))
+            world.advance(replayed[-1])
+        world.close()
+        kinds.append(np.array_equal(actions, replayed))
+        if not kinds[-1]:  # the scripted policy's episode, as before
+            np.testing.assert_array_equal(dyn.record_scenes((index, spec, 0.0))[1], actions)
+    assert 10 <= sum(kinds) <= 30
+    assert not any(
+        np.array_equal(dyn.record_scenes((i, spec, 0.0))[1], dyn.record_scenes((i, spec, 1.0))[1])
+        for i in range(3)
+    )
+
+
+class _Replaying:
+    """A scene model that knows the environment: its rollouts are the true ones."""
+
+    def __init__(self, world):
+        self.world = world
+
+    def roll_out(self, start, actions):
+        from streamworld.pusht.data import scene_row
+
+        out = np.empty((*actions.shape[:2], 5))
+        for k, candidate in enumerate(actions):
+            twin = self.world.replica()
+            for h, action in enumerate(candidate):
+                twin.advance(action)
+                out[k, h] = scene_row(twin.scene)
+            twin.close()
+        return out
+
+
+class _Still:
+    def roll_out(self, start, actions):
+        return np.repeat(start[:, None], actions.shape[1], 1)
+
+
+def test_candidates_are_judged_step_by_step_against_the_environment():
+    from streamworld.pusht.planning import make_task
+    from streamworld.pusht.proposals import CandidatePolicy, block_middle
+
+    task = make_task(4, dyn.SIZE)
+    world, _ = task.start(dyn.SIZE)
+    policy = CandidatePolicy(9)  # of its 8 candidates, 6 move the block
+    candidates = np.stack([policy.candidate(world.scene, task.goal) for _ in range(8)])
+    errors, moved = dyn.candidate_errors(_Replaying(world), world, candidates)
+    assert errors.shape == (8, 24, 2) and np.all(errors == 0)
+    errors, moved_again = dyn.candidate_errors(_Still(), world, candidates)
+    np.testing.assert_array_equal(moved, moved_again)
+    assert moved.any() and not moved.all()
+    start = block_middle(world.scene.block)
+    for k, candidate in enumerate(candidates):
+        twin = world.replica()
+        for h, action in enumerate(candidate):
+            twin.advance(action)
+            shift = np.linalg.norm(block_middle(twin.scene.block) - start) * dyn.SIZE / 512
+            assert errors[k, h, 0] == pytest.approx(shift)
+        assert moved[k] == (shift > 1)
+        twin.close()
+    summary = dyn._candidate_summary(errors, moved)
+    assert summary["candidates"] == 8 and summary["moved"] == int(moved.sum())
+    assert summary["horizons"]["24"]["block_px_mean"] == pytest.approx(errors[:, 23, 0].mean(), abs=1e-3)
+    assert summary["horizons"]["8"]["moved_block_px_mean"] == pytest.approx(
+        errors[moved, 7, 0].mean(), abs=1e-3
+    )
+    world.close()

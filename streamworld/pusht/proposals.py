@@ -204,6 +204,13 @@ class PushProposals:
         self.count = count
         self.goal = estimate_scene(goal_frame) if self.count > 0 else None
 
+    @classmethod
+    def toward(cls, goal: Scene, count: int) -> PushProposals:
+        """Proposals toward a goal scene known exactly (no goal frame to read)."""
+        proposals = cls.__new__(cls)
+        proposals.count, proposals.goal = count, goal
+        return proposals
+
     def paths(self, now: Scene) -> Iterator[list[np.ndarray]]:
         """The push and turn paths from scene `now` toward the goal scene, in the order they
         are proposed, each laid out only when asked for."""
@@ -229,3 +236,71 @@ class PushProposals:
         if now is None:
             return np.empty((0, knots, 2))
         return self.laid(now, knots)
+
+
+class CandidatePolicy:
+    """Actions like the planner's candidates, to record training data with: each
+    `horizon`-step stretch is one candidate drawn as `cem` draws them, from the true scene
+    (the planner reads it off a frame). With probability `proposal_share` its mean is one of
+    the push and turn paths (`PushProposals`, all of them, one at random) toward a goal like
+    the tasks' (the block moved up to `GOAL_MOVE` units and turned by about `GOAL_TURN`, the
+    agent anywhere), else the agent's place held, as the first iteration's mean is. Around
+    the mean, `colored_noise` of exponent `noise_beta` with a spread drawn from
+    `PROPOSAL_SPREADS` (a proposal as proposed, or refitted in a later iteration) or
+    `init_std` (around the agent). Each knot is held `knot_frames` steps. Everything is a
+    function of the seed and the scenes seen, so episodes are reproducible. Call it as a
+    `ScriptedPolicy`: the next action for the scene."""
+
+    GOAL_MOVE = 150.0
+    GOAL_TURN = np.radians(35.0)
+    PROPOSAL_SPREADS = (0.0, 10.0, 25.0, 50.0)
+
+    def __init__(
+        self,
+        seed: int,
+        horizon: int = 24,
+        knot_frames: int = 4,
+        proposal_share: float = 0.5,
+        init_std: float = 80.0,
+        noise_beta: float = 2.0,
+    ) -> None:
+        from ..planning import CEMConfig, colored_noise
+
+        self.rng = np.random.default_rng(seed)
+        self.config = CEMConfig(
+            horizon=horizon, knot_frames=knot_frames, init_std=init_std, noise_beta=noise_beta
+        )
+        self.proposal_share = proposal_share
+        self._noise = colored_noise
+        self._queue: list[np.ndarray] = []
+
+    def goal_like_tasks(self, now: Scene) -> Scene:
+        """A goal scene drawn near `now`: the block moved and turned, the agent anywhere."""
+        rng = self.rng
+        x, y, angle = now.block
+        direction = rng.uniform(-np.pi, np.pi)
+        distance = rng.uniform(0.0, self.GOAL_MOVE)
+        bx = float(np.clip(x + distance * np.cos(direction), 60.0, WORLD_SIZE - 60.0))
+        by = float(np.clip(y + distance * np.sin(direction), 60.0, WORLD_SIZE - 60.0))
+        agent = tuple(float(v) for v in rng.uniform(40.0, WORLD_SIZE - 40.0, 2))
+        return Scene(agent, (bx, by, float(angle + rng.normal(0.0, self.GOAL_TURN))))
+
+    def candidate(self, now: Scene, goal: Scene | None = None) -> np.ndarray:
+        """One candidate's actions [horizon, 2] from scene `now`, toward `goal` (default: a
+        goal drawn with `goal_like_tasks` when a proposal is the mean)."""
+        rng, config = self.rng, self.config
+        mean, spread = np.repeat(np.asarray(now.agent, np.float64)[None], config.knots, 0), config.init_std
+        if rng.random() < self.proposal_share:
+            toward = PushProposals.toward(goal or self.goal_like_tasks(now), len(VARIANTS) + len(ENDS))
+            laid = toward.laid(now, config.knots)
+            if len(laid):
+                mean = laid[rng.integers(len(laid))]
+                spread = float(rng.choice(self.PROPOSAL_SPREADS))
+        noise = self._noise(rng, (1, config.knots, 2), config.noise_beta)[0]
+        return config.held(np.clip(mean + spread * noise, config.low, config.high))
+
+    def __call__(self, scene: Scene) -> np.ndarray:
+        """The next action (agent target, world units) for the current scene."""
+        if not self._queue:
+            self._queue = list(self.candidate(scene))
+        return self._queue.pop(0)

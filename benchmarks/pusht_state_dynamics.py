@@ -117,12 +117,14 @@ def train(
     device: str = "cpu",
     batch: int = BATCH,
     seconds: float = 0.0,
+    max_grad_norm: float = 0.0,
 ) -> tuple[SceneModel, float, int, int]:
     """The scene model (on the CPU, in eval mode), trained on `device` one step ahead
     (`rollout_steps` 1) or through rollouts of that many steps (`rollout_loss`); its mean
     loss over the last 200 steps, the number of one-step samples, and the steps taken.
     With `seconds`, training also ends when that much time has passed, its learning rate's
-    schedule following whichever of the steps or the time is further along."""
+    schedule following whichever of the steps or the time is further along. `max_grad_norm`
+    (0: off) clips the gradient's norm. `Diverged` if the loss stops being finite."""
     from tqdm import tqdm
 
     episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 5]
@@ -154,10 +156,20 @@ def train(
             loss = rollout_loss(model, episodes, taken, rollout_steps, gen, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         losses.append(loss.detach())
+        if step % 100 == 0 and not torch.isfinite(loss):  # a NaN stays: a late look finds it
+            raise Diverged(f"the training loss is {loss.item()} at step {step}: try --max-grad-norm 10")
     tail = torch.stack(losses[-200:]).mean().item()
+    if not math.isfinite(tail):
+        raise Diverged(f"the training loss is {tail} over the last steps: try --max-grad-norm 10")
     return model.cpu().eval(), tail, len(x_all), len(losses)
+
+
+class Diverged(RuntimeError):
+    """Training's loss stopped being finite: no model to save."""
 
 
 def record(
@@ -273,9 +285,12 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
         args.device,
         args.batch,
         args.train_minutes * 60,
+        args.max_grad_norm,
     )
     train_seconds = time.perf_counter() - started - record_seconds
     trained = {"train_steps": taken_steps, "rollout_steps": args.rollout_steps, "batch": args.batch}
+    if args.max_grad_norm:
+        trained["max_grad_norm"] = args.max_grad_norm
     saved = {}
     if args.save:
         data = {"episodes": spec.episodes, "data_seed": spec.seed, "jump_share": spec.jump_share}
@@ -356,6 +371,14 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         f"teacher-forced objective); at most {MAX_ROLLOUT}",
     )
     parser.add_argument("--width", type=int, default=256, help="the network's width (default 256)")
+    parser.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=0.0,
+        help="clip the gradient's norm to this (default 0: not clipped). Data with fast pushes "
+        "(--candidate-share 1) can make training through rollouts diverge; a loss that stops being "
+        "finite ends the run with an error and saves nothing",
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -441,6 +464,8 @@ def main() -> None:
         parser.error("--candidate-share is a share from 0 to 1")
     if args.judge_candidates < 0:
         parser.error("--judge-candidates must be at least 0")
+    if not args.max_grad_norm >= 0:
+        parser.error("--max-grad-norm must be at least 0")
     if not args.train_minutes >= 0:
         parser.error("--train-minutes must be at least 0")
     if args.batch < args.rollout_steps:
@@ -453,7 +478,10 @@ def main() -> None:
             parser.error(f"--{name}: the folder {path.parent} does not exist")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device here")
-    report = run(args)
+    try:
+        report = run(args)
+    except Diverged as error:
+        parser.exit(1, f"pusht_state_dynamics.py: training diverged: {error}\n")
     print(json.dumps(report["horizons"], indent=1))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -175,3 +175,20 @@ def test_candidates_are_judged_step_by_step_against_the_environment():
         errors[moved, 7, 0].mean(), abs=1e-3
     )
     world.close()
+
+
+def test_a_loss_that_stops_being_finite_ends_training_with_an_error(monkeypatch, capsys):
+    rng = np.random.default_rng(0)
+    scenes = [np.cumsum(rng.normal(0, 3, (30, 5)), 0) + 200 for _ in range(3)]
+    actions = [rng.uniform(0, 512, (29, 2)) for _ in range(3)]
+    _, loss, _, steps = dyn.train(scenes, actions, 3, 8, 0, False, 4, batch=32, max_grad_norm=1.0)
+    assert np.isfinite(loss) and steps == 3
+    scenes[1][7, 3] = np.inf  # one scene the physics could never give
+    with pytest.raises(dyn.Diverged, match="max-grad-norm"):
+        dyn.train(scenes, actions, 3, 8, 0, False, 4, batch=32)
+    # The command line says so and exits with an error, saving nothing.
+    monkeypatch.setattr(dyn, "run", lambda args: (_ for _ in ()).throw(dyn.Diverged("the loss is nan")))
+    monkeypatch.setattr("sys.argv", ["pusht_state_dynamics.py", "--max-grad-norm", "10"])
+    with pytest.raises(SystemExit) as exited:
+        dyn.main()
+    assert exited.value.code == 1 and "training diverged: the loss is nan" in capsys.readouterr().err

@@ -61,6 +61,18 @@ def test_the_scene_functions_give_tensors_what_they_give_arrays():
         np.testing.assert_allclose(f(*(t(a) for a in args)).numpy(), f(*args), atol=1e-9)
 
 
+def test_a_block_that_did_not_move_gives_a_finite_gradient():
+    """Through a rollout, a predicted move below float32's resolution is exactly zero; its
+    length must not make the gradient NaN (it did: training diverged)."""
+    rng = np.random.default_rng(2)
+    now = torch.tensor(_scenes(rng, 4), dtype=torch.float32, requires_grad=True)
+    before = torch.cat([now[:2].detach(), now[2:] + torch.tensor([0.0, 0.0, 3.0, 4.0, 0.0])])
+    moves = features(before, now, torch.tensor(rng.uniform(0, 512, (4, 2)), dtype=torch.float32))
+    np.testing.assert_allclose(moves[:, 6].detach().numpy(), [0.0, 0.0, 0.5, 0.5], atol=1e-6)
+    moves.sum().backward()
+    assert torch.isfinite(now.grad).all()
+
+
 def test_a_batch_rolls_out_as_each_candidate_alone_and_as_the_training_step():
     torch.manual_seed(0)
     model = SceneModel(16, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5])).eval()

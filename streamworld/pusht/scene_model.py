@@ -46,6 +46,16 @@ def _rotate(x, y, angle):
     return c * x + s * y, -s * x + c * y  # into a frame turned by `angle`
 
 
+def _length(x, y):
+    """hypot(x, y), for tensors with a gradient of 0 where both are 0 (hypot's is NaN there,
+    and a predicted move below float32's resolution is exactly 0)."""
+    if not isinstance(x, torch.Tensor):
+        return np.hypot(x, y)
+    squared = x * x + y * y
+    some = squared > 0
+    return torch.where(some, torch.sqrt(torch.where(some, squared, torch.ones_like(squared))), 0.0)
+
+
 def features(before, now, action):
     """[N, 8]: the agent's place and last step's move, and the action's target, in the
     block's frame (world units / 100), and the block's last turn (radians)."""
@@ -55,7 +65,7 @@ def features(before, now, action):
     vx, vy = _rotate(now[:, 0] - before[:, 0], now[:, 1] - before[:, 1], ba)
     tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
     turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
-    moved = xp.hypot(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3])  # the block's last move
+    moved = _length(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3])  # the block's last move
     return xp.stack([ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, moved / 10, turn * 10], 1)
 
 

@@ -106,6 +106,18 @@ def rollout_loss(model: SceneModel, episodes, taken, k: int, gen, batch: int = B
     return loss / k
 
 
+def one_step_samples(
+    scenes: list[np.ndarray], actions: list[np.ndarray], device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every step of the episodes as (`features`, `targets`), float32 on `device`."""
+    x, y = [], []
+    for s, a in zip(scenes, actions, strict=True):
+        before = np.concatenate([s[:1], s[:-2]])  # the first step has no move before it
+        x.append(features(before, s[:-1], a))
+        y.append(targets(s[:-1], s[1:]))
+    return tuple(torch.tensor(np.concatenate(v), dtype=torch.float32, device=device) for v in (x, y))
+
+
 def train(
     scenes: list[np.ndarray],
     actions: list[np.ndarray],
@@ -130,13 +142,7 @@ def train(
     episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 5]
     taken = torch.tensor(np.stack(actions), dtype=torch.float32, device=device)  # [E, steps, 2]
 
-    x, y = [], []
-    for s, a in zip(scenes, actions, strict=True):
-        before = np.concatenate([s[:1], s[:-2]])  # the first step has no move before it
-        x.append(features(before, s[:-1], a))
-        y.append(targets(s[:-1], s[1:]))
-    x_all = torch.tensor(np.concatenate(x), dtype=torch.float32, device=device)
-    y_all = torch.tensor(np.concatenate(y), dtype=torch.float32, device=device)
+    x_all, y_all = one_step_samples(scenes, actions, device)
     torch.manual_seed(seed)
     model = SceneModel(width, y_all.std(0).clamp_min(1e-3)).to(device)
     peak, warm = 2e-3, max(1, steps // 20)
@@ -343,6 +349,40 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the training episodes are: how many, how long, and which actions."""
+    parser.add_argument(
+        "--episodes", type=int, default=1500, help="training episodes to record (default 1500)"
+    )
+    parser.add_argument(
+        "--steps-per-episode", type=int, default=150, help="actions per episode (default 150)"
+    )
+    parser.add_argument("--data-seed", type=int, default=2, help="seed of the recorded episodes (default 2)")
+    parser.add_argument(
+        "--push-share",
+        type=float,
+        default=0.85,
+        help=f"the policy's share of pushes (default 0.85, as the world model's rounds since 4; "
+        f"train pusht's own default is {PUSH_SHARE})",
+    )
+    parser.add_argument(
+        "--jump-share",
+        type=float,
+        default=0.0,
+        help="the policy's share of moves whose target jumps and is held, as the planner's candidates' "
+        "targets do (train pusht --jump-share; default 0)",
+    )
+    parser.add_argument(
+        "--candidate-share",
+        type=float,
+        default=0.0,
+        help="the share of episodes recorded with actions like the planner's candidates instead of "
+        "the scripted policy: 24-step stretches of colored noise around the agent or around a push or "
+        "turn proposal toward a goal like the tasks' (streamworld.pusht.proposals.CandidatePolicy; "
+        "default 0)",
+    )
+
+
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """How the network trains: steps, time, batch, rollouts and width."""
     parser.add_argument(
@@ -385,36 +425,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--episodes", type=int, default=1500, help="training episodes to record (default 1500)"
-    )
-    parser.add_argument(
-        "--steps-per-episode", type=int, default=150, help="actions per episode (default 150)"
-    )
-    parser.add_argument("--data-seed", type=int, default=2, help="seed of the recorded episodes (default 2)")
-    parser.add_argument(
-        "--push-share",
-        type=float,
-        default=0.85,
-        help=f"the policy's share of pushes (default 0.85, as the world model's rounds since 4; "
-        f"train pusht's own default is {PUSH_SHARE})",
-    )
-    parser.add_argument(
-        "--jump-share",
-        type=float,
-        default=0.0,
-        help="the policy's share of moves whose target jumps and is held, as the planner's candidates' "
-        "targets do (train pusht --jump-share; default 0)",
-    )
-    parser.add_argument(
-        "--candidate-share",
-        type=float,
-        default=0.0,
-        help="the share of episodes recorded with actions like the planner's candidates instead of "
-        "the scripted policy: 24-step stretches of colored noise around the agent or around a push or "
-        "turn proposal toward a goal like the tasks' (streamworld.pusht.proposals.CandidatePolicy; "
-        "default 0)",
-    )
+    _add_data_arguments(parser)
     _add_training_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     parser.add_argument("--workers", type=int, default=2, help="recording processes (default 2)")

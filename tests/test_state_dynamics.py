@@ -44,6 +44,7 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
         device="cpu",
         batch=64,
         train_minutes=0.0,
+        max_grad_norm=0.0,
         load=None,
         save=tmp_path / "scene.safetensors",
     )

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ..planning import CEMConfig, colored_noise
 from .pose import T_CENTROID_Y, block_distance, estimate_scene
 from .world import WORLD_SIZE, Scene
 
@@ -264,14 +265,11 @@ class CandidatePolicy:
         init_std: float = 80.0,
         noise_beta: float = 2.0,
     ) -> None:
-        from ..planning import CEMConfig, colored_noise
-
         self.rng = np.random.default_rng(seed)
         self.config = CEMConfig(
             horizon=horizon, knot_frames=knot_frames, init_std=init_std, noise_beta=noise_beta
         )
         self.proposal_share = proposal_share
-        self._noise = colored_noise
         self._queue: list[np.ndarray] = []
 
     def goal_like_tasks(self, now: Scene) -> Scene:
@@ -296,7 +294,7 @@ class CandidatePolicy:
             if len(laid):
                 mean = laid[rng.integers(len(laid))]
                 spread = float(rng.choice(self.PROPOSAL_SPREADS))
-        noise = self._noise(rng, (1, config.knots, 2), config.noise_beta)[0]
+        noise = colored_noise(rng, (1, config.knots, 2), config.noise_beta)[0]
         return config.held(np.clip(mean + spread * noise, config.low, config.high))
 
     def __call__(self, scene: Scene) -> np.ndarray:

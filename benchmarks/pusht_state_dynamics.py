@@ -212,9 +212,9 @@ def score_rollouts(model: SceneModel, seeds: list[int]) -> list[dict]:
 
 def score_candidates(model: SceneModel, seeds: list[int], per_seed: int) -> dict[str, dict]:
     """The model's error under actions like the planner's: from each eval seed's task start
-    (`planning.make_task`, the true scene, at rest), `per_seed` candidates of
-    `CandidatePolicy` toward the task's goal, rolled out by the model and by the
-    environment. Per horizon, over all candidates and over those whose true block moved
+    (`planning.make_task`), `per_seed` candidates of `CandidatePolicy` toward the task's
+    goal, rolled out by the model (from the true scene, at rest) and by the environment
+    (`candidate_errors`). Per horizon, over all candidates and over those whose true block moved
     more than a pixel: the block's middle's distance (pixels at 64 px) and angle error."""
     from tqdm import tqdm
 
@@ -299,8 +299,12 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
         trained["max_grad_norm"] = args.max_grad_norm
     saved = {}
     if args.save:
-        data = {"episodes": spec.episodes, "data_seed": spec.seed, "jump_share": spec.jump_share}
-        data["candidate_share"] = args.candidate_share
+        data = {
+            "episodes": spec.episodes,
+            "data_seed": spec.seed,
+            "jump_share": spec.jump_share,
+            "candidate_share": args.candidate_share,
+        }
         model.save(args.save, {**data, **trained})
         saved = {"saved": args.save.name, "sha256": hashlib.sha256(args.save.read_bytes()).hexdigest()}
     return model, {

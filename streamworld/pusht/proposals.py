@@ -201,16 +201,16 @@ class PushProposals:
     miss the block or coincide are left out. The goal's scene is read once;
     `proposals(frame, knots)` lays them out from each observed frame."""
 
-    def __init__(self, goal_frame: np.ndarray, count: int) -> None:
+    def __init__(self, goal_frame: np.ndarray | None, count: int, goal: Scene | None = None) -> None:
         self.count = count
-        self.goal = estimate_scene(goal_frame) if self.count > 0 else None
+        if goal is None and count > 0:
+            goal = estimate_scene(goal_frame)
+        self.goal = goal if count > 0 else None
 
     @classmethod
     def toward(cls, goal: Scene, count: int) -> PushProposals:
         """Proposals toward a goal scene known exactly (no goal frame to read)."""
-        proposals = cls.__new__(cls)
-        proposals.count, proposals.goal = count, goal
-        return proposals
+        return cls(None, count, goal)
 
     def paths(self, now: Scene) -> Iterator[list[np.ndarray]]:
         """The push and turn paths from scene `now` toward the goal scene, in the order they
@@ -289,7 +289,8 @@ class CandidatePolicy:
         rng, config = self.rng, self.config
         mean, spread = np.repeat(np.asarray(now.agent, np.float64)[None], config.knots, 0), config.init_std
         if rng.random() < self.proposal_share:
-            toward = PushProposals.toward(goal or self.goal_like_tasks(now), len(VARIANTS) + len(ENDS))
+            goal = goal if goal is not None else self.goal_like_tasks(now)
+            toward = PushProposals.toward(goal, len(VARIANTS) + len(ENDS))
             laid = toward.laid(now, config.knots)
             if len(laid):
                 mean = laid[rng.integers(len(laid))]

@@ -49,7 +49,7 @@ def _rotate(x, y, angle):
 def _length(x, y):
     """hypot(x, y), for tensors with a gradient of 0 where both are 0 (hypot's is NaN there,
     and a predicted move below float32's resolution is exactly 0)."""
-    if not isinstance(x, torch.Tensor):
+    if _xp(x) is np:
         return np.hypot(x, y)
     squared = x * x + y * y
     some = squared > 0

@@ -65,24 +65,15 @@ CANDIDATE_HORIZONS = (8, 16, 24)  # a plan's candidates cover 24 steps
 SIZE = 64
 BATCH = 1024  # default samples per training step: scenes, or rollout steps
 MAX_ROLLOUT = 32
-CANDIDATE_DRAW = 17  # mixed into an episode's seed to draw whether it records candidates
 JUDGE_SEED = 50_000  # added to an eval seed for the candidates it is judged under
 
 
-def record_scenes(args: tuple[int, DatasetSpec, float]) -> tuple[np.ndarray, np.ndarray]:
+def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray]:
     """One training episode's scenes [steps + 1, 5] and actions [steps, 2], the frames not
-    drawn: the seeds and policy of `data.record_episode`, or, for a `candidate_share` of
-    the episodes (drawn by the episode's seed), `CandidatePolicy`'s planner-like actions."""
-    from streamworld.pusht.policy import ScriptedPolicy
-
-    index, spec, candidate_share = args
-    seed = spec.episode_seed(index)
-    world = PushTWorld(SIZE)
-    if candidate_share and np.random.default_rng([seed, CANDIDATE_DRAW]).random() < candidate_share:
-        policy = CandidatePolicy(seed)
-    else:
-        policy = ScriptedPolicy(seed, spec.push_share, spec.jump_share)
-    world.reset(seed)
+    drawn: the seeds and policy of `data.record_episode` (`DatasetSpec.policy`)."""
+    index, spec = args
+    world, policy = PushTWorld(SIZE), spec.policy(index)
+    world.reset(spec.episode_seed(index))
     scenes, actions = [scene_row(world.scene)], []
     for _ in range(spec.steps):
         actions.append(policy(world.scene))
@@ -178,13 +169,11 @@ class Diverged(RuntimeError):
     """Training's loss stopped being finite: no model to save."""
 
 
-def record(
-    spec: DatasetSpec, workers: int, candidate_share: float = 0.0
-) -> list[tuple[np.ndarray, np.ndarray]]:
+def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every training episode's (scenes, actions), in `workers` processes (`record_scenes`)."""
     from tqdm import tqdm
 
-    jobs = [(i, spec, candidate_share) for i in range(spec.episodes)]
+    jobs = [(i, spec) for i in range(spec.episodes)]
     if workers == 1:
         return [record_scenes(job) for job in tqdm(jobs, desc="recording scenes", unit="episode")]
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -275,10 +264,16 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     """The model trained as `args` say, on episodes recorded for it (written to `--save`),
     and the report's data, model and seconds."""
     spec = DatasetSpec(
-        args.episodes, args.steps_per_episode, SIZE, args.data_seed, args.push_share, args.jump_share
+        args.episodes,
+        args.steps_per_episode,
+        SIZE,
+        args.data_seed,
+        args.push_share,
+        args.jump_share,
+        args.candidate_share,
     )
     started = time.perf_counter()
-    recorded = record(spec, args.workers, args.candidate_share)
+    recorded = record(spec, args.workers)
     record_seconds = time.perf_counter() - started
     model, loss, samples, taken_steps = train(
         [s for s, _ in recorded],
@@ -303,7 +298,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
             "episodes": spec.episodes,
             "data_seed": spec.seed,
             "jump_share": spec.jump_share,
-            "candidate_share": args.candidate_share,
+            "candidate_share": spec.candidate_share,
         }
         model.save(args.save, {**data, **trained})
         saved = {"saved": args.save.name, "sha256": hashlib.sha256(args.save.read_bytes()).hexdigest()}
@@ -314,7 +309,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
             "seed": spec.seed,
             "push_share": spec.push_share,
             "jump_share": spec.jump_share,
-            "candidate_share": args.candidate_share,
+            "candidate_share": spec.candidate_share,
         },
         "model": {
             "width": args.width,

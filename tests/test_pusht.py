@@ -23,6 +23,7 @@ from streamworld.models.world_model import WorldModel, builtin_weights_path
 from streamworld.pusht.data import Dataset, DatasetSpec, generate_dataset, record_episode
 from streamworld.pusht.evaluate import evaluate, markdown_table, parse_seeds, psnr, record_eval_episode, ssim
 from streamworld.pusht.policy import ScriptedPolicy
+from streamworld.pusht.proposals import CandidatePolicy
 from streamworld.pusht.world import PushTWorld, block_mask, initial_frame, locate, palette_weights
 from streamworld.server.app import ServerConfig, StreamWorldServer
 from tests.conftest import load_script
@@ -69,7 +70,7 @@ def test_dataset_is_reproducible_and_episodes_regenerate_alone(tmp_path):
     generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
     data = Dataset.load(tmp_path / "d")
     assert data.frames.shape == (3, 13, 64, 64, 3) and data.actions.shape == (3, 12, 2)
-    frames, actions, states = record_episode(spec.episode_seed(2), spec.episode_seed(2), 12, 64)
+    frames, actions, states = record_episode(spec.episode_seed(2), spec.policy(2), 12, 64)
     assert np.array_equal(data.frames[2], frames) and np.array_equal(data.actions[2], actions)
     assert np.array_equal(data.states[2], states)
     assert np.all((data.actions >= 0) & (data.actions <= 512))
@@ -82,8 +83,8 @@ def test_push_share_is_recorded_and_drives_the_controller(tmp_path):
     generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
     assert Dataset.load(tmp_path / "d").spec == spec
     # The share changes what the controller does: same seed, different moves.
-    _, actions_all, _ = record_episode(7, 7, 30, 64, push_share=1.0)
-    _, actions_none, _ = record_episode(7, 7, 30, 64, push_share=0.0)
+    _, actions_all, _ = record_episode(7, ScriptedPolicy(7, push_share=1.0), 30, 64)
+    _, actions_none, _ = record_episode(7, ScriptedPolicy(7, push_share=0.0), 30, 64)
     assert not np.allclose(actions_all, actions_none)
     with pytest.raises(ValueError, match="push_share"):
         DatasetSpec(episodes=1, steps=1, push_share=1.5)
@@ -96,8 +97,8 @@ def test_jump_share_holds_targets_that_jump_as_the_planner_does(tmp_path):
     spec = DatasetSpec(episodes=1, steps=24, size=64, seed=3, jump_share=1.0)
     generate_dataset(spec, tmp_path / "d", workers=1, progress=False)
     assert Dataset.load(tmp_path / "d").spec == spec
-    _, jumping, _ = record_episode(7, 7, 120, 64, jump_share=1.0)
-    _, walking, _ = record_episode(7, 7, 120, 64)
+    _, jumping, _ = record_episode(7, ScriptedPolicy(7, jump_share=1.0), 120, 64)
+    _, walking, _ = record_episode(7, ScriptedPolicy(7), 120, 64)
     steps = np.linalg.norm(np.diff(jumping, axis=0), axis=1)
     assert steps.max() <= 160.0 + 10.0 and steps.max() > 60.0
     moved = np.flatnonzero(steps > 10.0)
@@ -105,6 +106,36 @@ def test_jump_share_holds_targets_that_jump_as_the_planner_does(tmp_path):
     assert np.linalg.norm(np.diff(walking, axis=0), axis=1).max() <= 35.0 + 10.0
     with pytest.raises(ValueError, match="jump_share"):
         DatasetSpec(episodes=1, steps=1, jump_share=-0.1)
+
+
+def test_candidate_share_drives_a_share_of_episodes_as_the_planner_draws_candidates(tmp_path):
+    """A `candidate_share` of the episodes, drawn by seed, records `CandidatePolicy`'s
+    actions and the rest the scripted policy's, as without the share; the data set records
+    the share and its episodes still regenerate alone."""
+    spec = DatasetSpec(40, 24, 64, seed=1, push_share=0.85, jump_share=0.3, candidate_share=0.5)
+    scripted = dataclasses.replace(spec, candidate_share=0.0)
+    kinds = []
+    for index in range(40):
+        _, actions, _ = record_episode(spec.episode_seed(index), spec.policy(index), 24, 64)
+        seed = spec.episode_seed(index)
+        _, planned, _ = record_episode(seed, CandidatePolicy(seed), 24, 64)
+        kinds.append(np.array_equal(actions, planned))
+        if not kinds[-1]:  # the scripted policy's episode, as before
+            _, before, _ = record_episode(seed, scripted.policy(index), 24, 64)
+            np.testing.assert_array_equal(before, actions)
+    assert 10 <= sum(kinds) <= 30
+    everyone = dataclasses.replace(spec, candidate_share=1.0)
+    assert all(isinstance(everyone.policy(i), CandidatePolicy) for i in range(5))
+    assert not any(isinstance(scripted.policy(i), CandidatePolicy) for i in range(40))
+    small = dataclasses.replace(spec, episodes=3)
+    generate_dataset(small, tmp_path / "d", workers=1, progress=False)
+    data = Dataset.load(tmp_path / "d")
+    assert data.spec == small
+    for index in range(3):
+        _, actions, _ = record_episode(small.episode_seed(index), small.policy(index), 24, 64)
+        np.testing.assert_array_equal(data.actions[index], actions)
+    with pytest.raises(ValueError, match="candidate_share"):
+        DatasetSpec(episodes=1, steps=1, candidate_share=1.5)
 
 
 def test_block_mask_finds_the_block_the_locator_finds():
@@ -257,6 +288,7 @@ def test_train_cli_refuses_to_resume_with_other_settings(tmp_path, capsys, monke
         ("--state-warmup", "-1"),
         ("--push-share", "1.5"),
         ("--jump-share", "2"),
+        ("--candidate-share", "-0.5"),
         ("--rollout-share", "1.5"),
         ("--rollout-every", "0"),
         ("--rollout-max-mismatch", "-0.1"),
@@ -281,6 +313,19 @@ def test_train_cli_passes_compile_to_the_trainer(smoke):
     for flags, compiled in (([], False), (["--compile"], True)):
         args = parser.parse_args(["train", "pusht", *smoke, *flags])
         assert train_cli._configs(args)[2].compile is compiled
+
+
+@pytest.mark.parametrize("smoke", [[], ["--smoke"]])
+def test_train_cli_passes_the_candidate_share_to_the_data_set(smoke):
+    import argparse
+
+    from streamworld.cli import train as train_cli
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    for flags, share in (([], 0.0), (["--candidate-share", "0.7"], 0.7)):
+        args = parser.parse_args(["train", "pusht", *smoke, *flags])
+        assert train_cli._configs(args)[1].candidate_share == share
 
 
 @pytest.mark.parametrize("smoke", [[], ["--smoke"]])

@@ -95,6 +95,15 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "held 4 steps, as the planner's candidates move, instead of walking at 8-35 units a step (default 0)",
     )
     group.add_argument(
+        "--candidate-share",
+        type=float,
+        default=0.0,
+        help="share of the episodes (drawn by each episode's seed) whose actions are drawn as the planner "
+        "draws its candidates instead of by the scripted controller: 24-step stretches of six knots held "
+        "4 steps, smooth noise around the agent or around a push or turn toward a goal like the "
+        "planning tasks' (default 0)",
+    )
+    group.add_argument(
         "--workers",
         type=int,
         help="processes that record episodes and simulate rollout targets (default: CPU count)",
@@ -367,6 +376,7 @@ def _configs(args: argparse.Namespace):
         seed=args.data_seed,
         push_share=args.push_share,
         jump_share=args.jump_share,
+        candidate_share=args.candidate_share,
     )
     train_config = TrainConfig(
         batch_size=args.batch_size,
@@ -442,7 +452,14 @@ def _check(args: argparse.Namespace, workdir: Path) -> None:
     ):
         if not getattr(args, name) >= 0:  # also refuses nan
             raise UsageError(f"--{name.replace('_', '-')} must be at least 0")
-    for name in ("push_share", "jump_share", "rollout_share", "unroll_share", "adversarial_background"):
+    for name in (
+        "push_share",
+        "jump_share",
+        "candidate_share",
+        "rollout_share",
+        "unroll_share",
+        "adversarial_background",
+    ):
         if not 0 <= getattr(args, name) <= 1:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, 1]")
     for name in (

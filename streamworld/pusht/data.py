@@ -3,9 +3,10 @@
 Episode i of a data set with seed s starts from the environment's initial state for seed
 `s * 1_000_003 + i + TRAIN_SEED_BASE` and is driven by `ScriptedPolicy` (pushing for
 `push_share` of its moves, exploring at random otherwise; jumping its target for
-`jump_share` of them) seeded the same way, so any
-episode can be regenerated alone. Evaluation uses seeds below `TRAIN_SEED_BASE`, so the two
-never share an initial state.
+`jump_share` of them) seeded the same way, or, for a `candidate_share` of the episodes
+(drawn by the episode's seed), by `proposals.CandidatePolicy`, whose actions are drawn as
+the planner draws its candidates. So any episode can be regenerated alone. Evaluation
+uses seeds below `TRAIN_SEED_BASE`, so the two never share an initial state.
 
 On disk a data set is a folder with `frames.npy` (uint8 [E, T + 1, S, S, 3]), `actions.npy`
 (float32 [E, T, 2], world units; action t takes frame t to frame t + 1), `states.npy`
@@ -27,6 +28,7 @@ import numpy as np
 from .policy import PUSH_SHARE
 
 TRAIN_SEED_BASE = 1_000_000
+CANDIDATE_DRAW = 17  # mixed into an episode's seed to draw whether it records candidates
 # What a training sample on the model's own rollout is taught to predict (`train.py:
 # RolloutContext`): the recorded frames, or the environment continued from the scene the
 # rollout shows (`pose.py: continue_frames`).
@@ -46,31 +48,37 @@ class DatasetSpec:
     seed: int = 0
     push_share: float = PUSH_SHARE  # of the scripted policy's moves that push the block
     jump_share: float = 0.0  # of its moves whose target jumps and is held (`ScriptedPolicy`)
+    candidate_share: float = 0.0  # of the episodes driven by `proposals.CandidatePolicy`
 
     def __post_init__(self) -> None:
-        for name in ("push_share", "jump_share"):
+        for name in ("push_share", "jump_share", "candidate_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} is a share in [0, 1], not {getattr(self, name)}")
 
     def episode_seed(self, index: int) -> int:
         return self.seed * 1_000_003 + index + TRAIN_SEED_BASE
 
+    def policy(self, index: int):
+        """Episode `index`'s policy, seeded by the episode: `CandidatePolicy` for a
+        `candidate_share` of the episodes, `ScriptedPolicy` for the rest. The draw is made
+        only when the share is above 0, so data sets without it record what they always did."""
+        from .policy import ScriptedPolicy
+        from .proposals import CandidatePolicy
 
-def record_episode(
-    env_seed: int,
-    policy_seed: int,
-    steps: int,
-    size: int,
-    push_share: float = PUSH_SHARE,
-    jump_share: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        seed = self.episode_seed(index)
+        share = self.candidate_share
+        if share > 0 and np.random.default_rng([seed, CANDIDATE_DRAW]).random() < share:
+            return CandidatePolicy(seed)
+        return ScriptedPolicy(seed, self.push_share, self.jump_share)
+
+
+def record_episode(env_seed: int, policy, steps: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(frames [steps + 1, size, size, 3] uint8, actions [steps, 2] float32, scenes
-    [steps + 1, 5] float32 (`scene_row`)) of one episode."""
-    from .policy import ScriptedPolicy
+    [steps + 1, 5] float32 (`scene_row`)) of one episode from the environment's start for
+    `env_seed`, each action `policy(scene)`."""
     from .world import PushTWorld
 
     world = PushTWorld(size)
-    policy = ScriptedPolicy(policy_seed, push_share, jump_share)
     frames = np.empty((steps + 1, size, size, 3), np.uint8)
     actions = np.empty((steps, 2), np.float32)
     states = np.empty((steps + 1, 5), np.float32)
@@ -91,8 +99,7 @@ def scene_row(scene) -> list[float]:
 
 def _record(args: tuple[int, DatasetSpec]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
     index, spec = args
-    seed = spec.episode_seed(index)
-    return index, *record_episode(seed, seed, spec.steps, spec.size, spec.push_share, spec.jump_share)
+    return index, *record_episode(spec.episode_seed(index), spec.policy(index), spec.steps, spec.size)
 
 
 def generate_dataset(

@@ -172,6 +172,51 @@ def test_rollouts_from_a_frame_without_a_t_are_the_frame_unchanged():
     assert out.shape == (2, 3, 64, 64, 3) and (out == 255).all()
 
 
+def test_rollouts_that_draw_only_the_last_frame_draw_it_as_all_of_them_do():
+    """`every_frame=False` draws each candidate's last frame only, the same frame, and a
+    plan whose cost reads the last frame goes exactly as with every frame drawn."""
+    from streamworld.planning import CEMConfig
+    from streamworld.pusht.planning import make_task, run_episode
+
+    torch.manual_seed(5)
+    moving = SceneModel(16, torch.tensor([3.0, 3.0, 1.0, 1.0, 0.02])).eval()  # random, so it moves
+    world = PushTWorld(64)
+    frame = world.reset(3)
+    candidates = np.random.default_rng(1).uniform(0, 512, (3, 6, 2))
+    every = asyncio.run(SceneModelRollouts(moving, frame)(candidates))
+    last = asyncio.run(SceneModelRollouts(moving, frame, every_frame=False)(candidates))
+    assert last.shape == (3, 1, 64, 64, 3)
+    np.testing.assert_array_equal(last[:, 0], every[:, -1])
+    assert not np.array_equal(every[:, 0], every[:, -1])  # the frames do differ along the way
+    blank = np.full((64, 64, 3), 255, np.uint8)
+    assert asyncio.run(SceneModelRollouts(moving, blank, False)(candidates)).shape == (3, 1, 64, 64, 3)
+    world.close()
+    config = CEMConfig(horizon=8, samples=6, elites=2, iterations=2, knot_frames=4, init_std=80.0)
+    task = make_task(4, 64)
+    results = []
+    for every in (True, False):
+        rollouts_for = lambda f, w, e=every: SceneModelRollouts(moving, f, e)  # noqa: E731
+        results.append(asyncio.run(run_episode(rollouts_for, task, config, 64, budget=16, seed=2)))
+    assert results[0].steps == results[1].steps == 16
+    assert results[0].final_error == results[1].final_error
+    assert results[0].success == results[1].success
+
+
+def test_eval_plan_draws_every_frame_only_where_something_reads_it(tmp_path):
+    import argparse
+
+    from streamworld.cli.eval import _rollouts_without_the_model
+
+    path = tmp_path / "scene.safetensors"
+    _still().save(path)
+    frame = PushTWorld(64).reset(0)
+    for cost_frames, replan_error, every in (("last", 0.0, False), ("best", 0.0, True), ("last", 3.0, True)):
+        args = argparse.Namespace(simulator=False, scene_model=path, model="pusht")
+        args.cost_frames, args.replan_error = cost_frames, replan_error
+        rollouts_for = _rollouts_without_the_model(args)[2]
+        assert rollouts_for(frame, None, 0).every_frame is every
+
+
 def test_eval_plan_with_a_scene_model_reports_it(tmp_path, capsys):
     from streamworld.cli import main
 

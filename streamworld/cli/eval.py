@@ -442,7 +442,15 @@ def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
         "scene_model_sha256": hashlib.sha256(args.scene_model.read_bytes()).hexdigest(),
         "device": "cpu",
     }
-    return planner, size, lambda frame, world, seed: SceneModelRollouts(scene_model, frame), lambda: None
+    # Only the cost's last frame is read unless the cost reads every frame or a replan
+    # compares each step's predicted frame with the real one.
+    every_frame = args.cost_frames != "last" or args.replan_error > 0
+    return (
+        planner,
+        size,
+        lambda frame, world, seed: SceneModelRollouts(scene_model, frame, every_frame),
+        lambda: None,
+    )
 
 
 def _engine_counters(engines: list) -> dict:

@@ -202,11 +202,17 @@ class SceneModelRollouts:
     rest) and drawn as the environment draws a scene at rest, so the planner's cost reads
     them as it reads the world model's frames. Where the observed frame shows no T to read
     (`unread`), every candidate is the observed frame unchanged, so the plan's search
-    learns nothing and its mean stands."""
+    learns nothing and its mean stands.
 
-    def __init__(self, model: SceneModel, frame: np.ndarray) -> None:
+    Drawing, not the model, is what a plan's time goes to, so only the frames something
+    reads are drawn: with `every_frame` False, each candidate's last frame alone, frames
+    [K, 1, S, S, 3], which is all a cost on the last frame reads (`cost_frames="last"`
+    without `replan_error`); with True (the default), all H of them."""
+
+    def __init__(self, model: SceneModel, frame: np.ndarray, every_frame: bool = True) -> None:
         self.model = model
         self.frame = frame
+        self.every_frame = every_frame
         self.scene = estimate_scene(frame)
 
     @property
@@ -215,12 +221,13 @@ class SceneModelRollouts:
 
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
         k, h = candidates.shape[:2]
+        drawn = h if self.every_frame else 1
         if self.scene is None:
-            return np.broadcast_to(self.frame, (k, h, *self.frame.shape)).copy()
+            return np.broadcast_to(self.frame, (k, drawn, *self.frame.shape)).copy()
         start = np.broadcast_to(np.array(scene_row(self.scene), np.float64), (k, OUTPUTS))
-        scenes = self.model.roll_out(start, candidates)
+        scenes = self.model.roll_out(start, candidates)[:, h - drawn :]
         world = process_world(self.frame.shape[1])
-        out = np.empty((k, h, *self.frame.shape), np.uint8)
+        out = np.empty((k, drawn, *self.frame.shape), np.uint8)
         for i in range(k):
             out[i] = draw_scenes(world, scenes[i])
             await asyncio.sleep(0)  # milliseconds of drawing per candidate: let the event loop breathe

@@ -302,49 +302,39 @@ def test_train_cli_rejects_bad_arguments(tmp_path, capsys, flag, value):
     assert flag in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("smoke", [[], ["--smoke"]])
-def test_train_cli_passes_compile_to_the_trainer(smoke):
+def _train_configs(*argv: str):
+    """`train pusht`'s (model config, data spec, training config, device) for `argv`."""
     import argparse
 
     from streamworld.cli import train as train_cli
 
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
+    return train_cli._configs(parser.parse_args(["train", "pusht", *argv]))
+
+
+@pytest.mark.parametrize("smoke", [[], ["--smoke"]])
+def test_train_cli_passes_compile_to_the_trainer(smoke):
     for flags, compiled in (([], False), (["--compile"], True)):
-        args = parser.parse_args(["train", "pusht", *smoke, *flags])
-        assert train_cli._configs(args)[2].compile is compiled
+        assert _train_configs(*smoke, *flags)[2].compile is compiled
 
 
 @pytest.mark.parametrize("smoke", [[], ["--smoke"]])
 def test_train_cli_passes_the_candidate_share_to_the_data_set(smoke):
-    import argparse
-
-    from streamworld.cli import train as train_cli
-
-    parser = argparse.ArgumentParser()
-    train_cli.add_parser(parser.add_subparsers())
     for flags, share in (([], 0.0), (["--candidate-share", "0.7"], 0.7)):
-        args = parser.parse_args(["train", "pusht", *smoke, *flags])
-        assert train_cli._configs(args)[1].candidate_share == share
+        assert _train_configs(*smoke, *flags)[1].candidate_share == share
 
 
 @pytest.mark.parametrize("smoke", [[], ["--smoke"]])
 def test_train_cli_passes_the_state_weight_to_the_trainer(smoke):
-    import argparse
-
-    from streamworld.cli import train as train_cli
-
-    parser = argparse.ArgumentParser()
-    train_cli.add_parser(parser.add_subparsers())
     for flags, weight in (([], 0.0), (["--state-weight", "0.3"], 0.3)):
-        args = parser.parse_args(["train", "pusht", *smoke, *flags])
-        assert train_cli._configs(args)[2].state_weight == weight
+        assert _train_configs(*smoke, *flags)[2].state_weight == weight
     flags = ["--state-weight", "0.1", "--state-target", "change", "--state-warmup", "40"]
     flags += ["--state-turn-weight", "8", "--state-layer", "2"]
-    config = train_cli._configs(parser.parse_args(["train", "pusht", *smoke, *flags]))[2]
+    config = _train_configs(*smoke, *flags)[2]
     assert (config.state_target, config.state_warmup, config.state_turn_weight) == ("change", 40, 8.0)
     assert config.state_layer == 2
-    assert train_cli._configs(parser.parse_args(["train", "pusht", *smoke]))[2].state_target == "scene"
+    assert _train_configs(*smoke)[2].state_target == "scene"
 
 
 @pytest.mark.parametrize(
@@ -357,17 +347,11 @@ def test_train_cli_refuses_the_probes_settings_without_the_probe(tmp_path, capsy
 
 
 def test_train_cli_sets_the_warm_up_and_the_logging_interval():
-    import argparse
-
-    from streamworld.cli import train as train_cli
     from streamworld.pusht.train import _lr_at
 
-    parser = argparse.ArgumentParser()
-    train_cli.add_parser(parser.add_subparsers())
-    default = train_cli._configs(parser.parse_args(["train", "pusht"]))[2]
+    default = _train_configs()[2]
     assert (default.warmup_steps, default.log_every) == (300, 100)
-    flags = ["train", "pusht", "--warmup-steps", "20", "--log-every", "5", "--total-steps", "100"]
-    config = train_cli._configs(parser.parse_args(flags))[2]
+    config = _train_configs("--warmup-steps", "20", "--log-every", "5", "--total-steps", "100")[2]
     assert (config.warmup_steps, config.log_every) == (20, 5)
     assert _lr_at(19, config) == pytest.approx(config.lr)  # warmed up, then half-way down the decay:
     assert _lr_at(60, config) == pytest.approx(config.lr * (1 + config.min_lr_ratio) / 2)

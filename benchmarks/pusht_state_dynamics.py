@@ -41,6 +41,7 @@ the training episodes with such actions (`proposals.CandidatePolicy`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -303,14 +304,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
         model.save(args.save, {**data, **trained})
         saved = {"saved": args.save.name, "sha256": hashlib.sha256(args.save.read_bytes()).hexdigest()}
     return model, {
-        "data": {
-            "episodes": spec.episodes,
-            "steps": spec.steps,
-            "seed": spec.seed,
-            "push_share": spec.push_share,
-            "jump_share": spec.jump_share,
-            "candidate_share": spec.candidate_share,
-        },
+        "data": {k: v for k, v in dataclasses.asdict(spec).items() if k != "size"},  # SIZE is fixed
         "model": {
             "width": args.width,
             **trained,

@@ -15,8 +15,6 @@ import torch
 from streamworld.pusht.data import scene_row
 from streamworld.pusht.pose import draw_scene, estimate_scene
 from streamworld.pusht.scene_model import (
-    INPUTS,
-    OLD_INPUTS,
     SceneModel,
     SceneModelRollouts,
     apply,
@@ -107,44 +105,9 @@ def test_a_saved_model_loads_and_predicts_the_same(tmp_path):
     model.save(path, {"episodes": "3"})
     loaded = SceneModel.load(path)
     assert loaded.width == 12 and not loaded.training
-    x = torch.randn(7, INPUTS)
+    x = torch.randn(7, 8)
     torch.testing.assert_close(loaded(x), model(x))
     torch.testing.assert_close(loaded.scale, model.scale)
-
-
-def test_a_model_written_before_the_blocks_move_was_an_input_reads_the_first_eight(tmp_path):
-    """Files without `inputs` in their metadata hold a first layer of 8 inputs: they load
-    and predict from the first 8 features, whatever the last two say."""
-    torch.manual_seed(2)
-    old = SceneModel(12, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5]), inputs=OLD_INPUTS)
-    path = tmp_path / "old.safetensors"
-    tensors = {k: v.contiguous() for k, v in old.state_dict().items()}
-    meta = {"format": "streamworld-pusht-scene-model/1", "width": "12"}
-    safetensors.torch.save_file(tensors, str(path), metadata=meta)
-    loaded = SceneModel.load(path)
-    assert loaded.inputs == OLD_INPUTS
-    x = torch.randn(7, INPUTS)
-    expected = old.net(x[:, :OLD_INPUTS])
-    torch.testing.assert_close(loaded(x), expected)
-    x[:, OLD_INPUTS:] += 5.0
-    torch.testing.assert_close(loaded(x), expected)
-    safetensors.torch.save_file(tensors, str(path), metadata={**meta, "inputs": "9"})
-    with pytest.raises(ValueError, match="9 inputs"):
-        SceneModel.load(path)
-
-
-def test_the_features_carry_the_direction_of_the_blocks_last_move():
-    """A block that slid along its own x axis and one that slid along its y axis, by the
-    same length, differ in the features (the block slides on the way it was going)."""
-    now = np.array([[100.0, 100.0, 256.0, 256.0, 0.7]] * 2)
-    c, s = np.cos(0.7), np.sin(0.7)
-    before = now.copy()
-    before[0, 2:4] -= [6 * c, 6 * s]  # 6 units along the block's own x axis
-    before[1, 2:4] -= [-6 * s, 6 * c]  # 6 along its own y axis
-    x = features(before, now, now[:, :2])
-    assert x.shape == (2, INPUTS)
-    np.testing.assert_allclose(x[:, 6], [0.6, 0.6], atol=1e-9)  # the same length
-    np.testing.assert_allclose(x[:, 8:], [[0.6, 0.0], [0.0, 0.6]], atol=1e-9)
 
 
 def test_a_file_that_is_not_a_scene_model_is_refused_with_the_reason(tmp_path):

@@ -139,6 +139,7 @@ async def run(args: argparse.Namespace) -> int:
         proposals=args.proposals,
         replan_error=args.replan_error,
         shape_weight=args.shape_weight,
+        warm_start=args.warm_start,
     )
     position, angle = result.final_error
     outcome = "reached" if result.success else "not reached"

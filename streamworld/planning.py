@@ -112,6 +112,7 @@ class Plan:
     branches: int = 0  # rolled out in all
     seconds: float = 0.0
     mean: np.ndarray | None = None  # the last distribution's mean [knots, action_dim]
+    knots: np.ndarray | None = None  # the plan's own knots [knots, action_dim], `actions` made of them
     # With cem(keep_candidates=True): every candidate's frames of the fork the plan came from
     # [K, H, height, width, 3], the plan being candidates[chosen].
     candidates: np.ndarray | None = None
@@ -168,6 +169,7 @@ async def cem(
         if best is None or costs[i] < best.cost:
             kept = frames if keep_candidates else None
             best = Plan(candidates[i], float(costs[i]), frames[i], candidates=kept, chosen=i)
+            best.knots = samples[i]
     assert best is not None
     best.costs = history
     best.branches = config.samples * config.iterations

@@ -242,6 +242,11 @@ def test_reports_that_cannot_be_compared_are_refused(tmp_path):
             plan,
             "one side must be one evaluation",
         ),
+        "one side mixing warm starts": (
+            plan + "," + write(tmp_path, "w.json", plan_report({1: True}, warm_start="plan")),
+            plan,
+            "warm_start is 'plan'",
+        ),
         "a seed twice in one side": (plan + "," + plan, plan, "seed 0 appears twice"),
         "no shared seed": (plan, write(tmp_path, "o.json", plan_report({5: True})), "share no seed"),
         "one side mixing KV modes": (
@@ -273,6 +278,15 @@ def test_reports_that_cannot_be_compared_are_refused(tmp_path):
         with pytest.raises(CompareError, match=message):
             compare(load_side(a), load_side(b))
         assert main(["compare", a, b]) == 2, why
+
+
+def test_a_report_written_before_a_setting_existed_ran_its_only_behaviour(tmp_path):
+    """Reports without `warm_start` (written before it existed) warm-started from the mean:
+    they join a side of reports that say so."""
+    older = write(tmp_path, "older.json", plan_report({0: True}))
+    newer = write(tmp_path, "newer.json", plan_report({1: False}, warm_start="mean"))
+    side = load_side(older + "," + newer)
+    assert side.settings["warm_start"] == "mean" and len(side.paths) == 2
 
 
 def test_files_that_are_not_reports_are_refused_with_the_reason(tmp_path, capsys):

@@ -680,6 +680,62 @@ async def test_replan_error_replans_at_the_step_the_block_strays_from_the_predic
     assert early.to_json()["replans_early"] == 3
 
 
+class _Forks:
+    """SimulatorRollouts that keep every fork's candidates in `forks` (shared by all plans)."""
+
+    def __init__(self, world: PushTWorld, forks: list) -> None:
+        from streamworld.pusht.planning import SimulatorRollouts
+
+        self.true, self.forks = SimulatorRollouts(world), forks
+
+    async def __call__(self, candidates: np.ndarray) -> np.ndarray:
+        self.forks.append(candidates.copy())
+        return await self.true(candidates)
+
+    def close(self) -> None:
+        self.true.close()
+
+
+@pytest.mark.parametrize("warm_start", ["mean", "plan"])
+async def test_a_later_plan_first_tries_the_last_plans_mean_or_its_chosen_plan_moved_on(warm_start):
+    """After 4 of 8 steps, the next plan's first candidate is the last plan's final mean
+    (`mean`) or the plan it chose (`plan`), one knot of 4 steps on, its last knot held."""
+    config = CEMConfig(horizon=8, samples=4, elites=2, iterations=1, knot_frames=4)
+    forks: list = []
+    result = await run_episode(
+        lambda frame, world: _Forks(world, forks),
+        make_task(5, 64),
+        config,
+        64,
+        budget=8,
+        execute=4,
+        record=True,
+        warm_start=warm_start,
+    )
+    assert result.plans == 2 and len(forks) == 2
+    first = result.recorded_plans[0]
+    assert not np.allclose(first.knots, first.mean)  # the two warm starts differ here
+    np.testing.assert_allclose(np.repeat(first.knots, 4, 0), first.actions)  # the chosen plan's knots
+    kept = first.mean if warm_start == "mean" else first.knots
+    np.testing.assert_allclose(forks[1][0], np.repeat([kept[1], kept[1]], 4, 0), atol=1e-3)
+
+
+def test_an_unknown_warm_start_is_refused_and_the_flag_offers_the_planners_choices():
+    import argparse
+
+    from streamworld.cli import arguments
+    from streamworld.pusht.planning import WARM_STARTS
+
+    assert arguments.WARM_STARTS == WARM_STARTS
+    parser = argparse.ArgumentParser()
+    arguments.add_search_arguments(parser)
+    assert parser.parse_args([]).warm_start == "mean"
+    assert parser.parse_args(["--warm-start", "plan"]).warm_start == "plan"
+    config = CEMConfig(horizon=4, samples=2, elites=1, iterations=1, knot_frames=4)
+    with pytest.raises(ValueError, match="warm_start must be one of mean, plan"):
+        asyncio.run(run_episode(lambda frame, world: None, make_task(5, 64), config, 64, warm_start="best"))
+
+
 def test_a_negative_replan_error_is_refused():
     task = make_task(5, 64)
     config = CEMConfig(horizon=8, samples=4, elites=2, iterations=1, knot_frames=4)

@@ -21,6 +21,8 @@ KV_MODES = ("clean", "final", "noisy")
 # streamworld.pusht.planning.COST_FRAMES, written here so that building a parser imports
 # nothing heavy; frame_cost refuses any other value.
 COST_FRAMES = ("last", "best")
+# streamworld.pusht.planning.WARM_STARTS, for the same reason; run_episode refuses any other.
+WARM_STARTS = ("mean", "plan")
 DEFAULT_MODEL = "pusht"  # the embedded PushT world model: the default of every command
 
 
@@ -250,7 +252,8 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
 
 
 def _add_cost_and_replanning_arguments(group: argparse._ActionsContainer) -> None:
-    """--shape-weight (the cost's shape term) and --replan-error (replanning on surprise)."""
+    """--shape-weight (the cost's shape term), --replan-error (replanning on surprise) and
+    --warm-start (what a plan after the first starts from)."""
     group.add_argument(
         "--shape-weight",
         type=float,
@@ -268,4 +271,13 @@ def _add_cost_and_replanning_arguments(group: argparse._ActionsContainer) -> Non
         help="stop executing a plan and plan again as soon as the block in the real frame lies more than "
         "PX pixels (of the 64 px frame; 1 px = 8 world units) from where the plan predicted it for that "
         "step, or is seen in only one of the two; a plan that goes as predicted runs on (0: off; default 0)",
+    )
+    group.add_argument(
+        "--warm-start",
+        choices=WARM_STARTS,
+        default="mean",
+        help="what each plan after the first samples around, moved past the steps executed: the last "
+        "plan's final distribution (mean; the mean of its elites, which may average two different ways "
+        "round the block), or the plan it chose (plan), which the new plan then tries first, so a push "
+        "cut short by --execute or --replan-error can go on as planned (default mean)",
     )

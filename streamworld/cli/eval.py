@@ -550,6 +550,7 @@ async def _run_episode(args: argparse.Namespace, config, seed: int, size: int, r
         proposals=args.proposals,
         replan_error=args.replan_error,
         shape_weight=args.shape_weight,
+        warm_start=args.warm_start,
     )
 
 
@@ -592,6 +593,7 @@ def _plan_report(
         "proposals": args.proposals,
         "replan_error": args.replan_error,
         "shape_weight": args.shape_weight,
+        "warm_start": args.warm_start,
         "concurrent": args.concurrent,
         "processes": min(args.processes, len(seeds)),
         "cem": vars(config),

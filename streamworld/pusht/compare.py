@@ -52,8 +52,11 @@ PLAN_SETTINGS = (
     "proposals",
     "replan_error",
     "shape_weight",
+    "warm_start",
     "cem",
 )
+# What a report written before a setting existed ran: that setting's only behaviour then.
+UNWRITTEN_SETTINGS = {"warm_start": "mean"}
 PREDICTION_SETTINGS = (
     "model",
     "weights",
@@ -156,7 +159,7 @@ def load_side(spec: str) -> Side:
         report = read_report(path)
         kind = report_kind(report, path)
         names = PLAN_SETTINGS if kind == "plan" else (*PREDICTION_SETTINGS, "modes")
-        settings = {k: report.get(k) for k in names}
+        settings = {k: report.get(k, UNWRITTEN_SETTINGS.get(k)) for k in names}
         if kind == "prediction":  # the predictors evaluated, not their means
             settings["modes"] = sorted(report["modes"])
         if side is None:

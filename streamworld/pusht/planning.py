@@ -103,6 +103,8 @@ def _block_map(weights: np.ndarray) -> np.ndarray:
 
 
 COST_FRAMES = ("last", "best")
+# What a plan after the first samples around (`run_episode`'s `warm_start`).
+WARM_STARTS = ("mean", "plan")
 
 
 SHAPE_WEIGHT = 200.0  # the shape term's weight in the frame cost (`--shape-weight`)
@@ -240,6 +242,7 @@ async def run_episode(
     proposals: int = 0,
     replan_error: float = 0.0,
     shape_weight: float = SHAPE_WEIGHT,
+    warm_start: str = "mean",
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame, run the plan's
     first `execute` actions (default: the whole horizon) in the real environment, and again,
@@ -255,11 +258,16 @@ async def run_episode(
     term (`frame_cost`). `replan_error` (pixels; 0: off): stop executing a
     plan and replan as soon as the block in the real frame is further than this from the block
     in the frame the plan predicted for that step (`surprised`), so a push the model got wrong
-    is corrected at once while a plan that goes as predicted runs on."""
+    is corrected at once while a plan that goes as predicted runs on. `warm_start`: what each
+    plan after the first samples around, moved past the executed steps (`_shifted`): the last
+    plan's final distribution (`mean`: the mean of its last elites) or the plan it chose
+    (`plan`: its own knots), which `cem` tries first either way."""
     if not replan_error >= 0:  # also refuses nan
         raise ValueError(f"replan_error must be >= 0, got {replan_error}")
     if not shape_weight >= 0:
         raise ValueError(f"shape_weight must be >= 0, got {shape_weight}")
+    if warm_start not in WARM_STARTS:
+        raise ValueError(f"warm_start must be one of {', '.join(WARM_STARTS)}, got {warm_start!r}")
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
@@ -279,7 +287,8 @@ async def run_episode(
             before = result.steps
             frame = _execute(world, frame, actions, task, result, record, plan.frames, replan_error)
             result.executed.append(result.steps - before)
-            mean = _shifted(plan.mean, result.steps - before, config.knot_frames)
+            kept = plan.mean if warm_start == "mean" else plan.knots
+            mean = _shifted(kept, result.steps - before, config.knot_frames)
         result.final_error = state_error(world.scene, task.goal)
     finally:
         world.close()
@@ -361,7 +370,8 @@ async def _opened(rollouts: Rollouts | Awaitable[Rollouts]) -> Rollouts:
 
 
 def _shifted(mean: np.ndarray | None, executed: int, knot_frames: int) -> np.ndarray | None:
-    """The last plan's mean moved past the executed steps, its last knot held (a warm start)."""
+    """The last plan's mean (or knots) moved past the executed steps, its last knot held (a
+    warm start)."""
     if mean is None:
         return None
     drop = min(executed // knot_frames, len(mean) - 1)

@@ -168,8 +168,9 @@ async def cem(
         history.append(float(costs[i]))
         if best is None or costs[i] < best.cost:
             kept = frames if keep_candidates else None
-            best = Plan(candidates[i], float(costs[i]), frames[i], candidates=kept, chosen=i)
-            best.knots = samples[i]
+            best = Plan(
+                candidates[i], float(costs[i]), frames[i], candidates=kept, chosen=i, knots=samples[i]
+            )
     assert best is not None
     best.costs = history
     best.branches = config.samples * config.iterations

@@ -15,8 +15,6 @@ import torch
 from streamworld.pusht.data import scene_row
 from streamworld.pusht.pose import draw_scene, estimate_scene
 from streamworld.pusht.scene_model import (
-    INPUTS,
-    OLD_INPUTS,
     SceneModel,
     SceneModelRollouts,
     apply,
@@ -107,51 +105,10 @@ def test_a_saved_model_loads_and_predicts_the_same(tmp_path):
     model.save(path, {"episodes": "3"})
     loaded = SceneModel.load(path)
     assert loaded.width == 12 and not loaded.training
-    x = torch.randn(7, INPUTS)
+    x = torch.randn(7, 8)
     torch.testing.assert_close(loaded(x), model(x))
     torch.testing.assert_close(loaded.scale, model.scale)
 
-
-def test_a_model_written_before_the_blocks_move_was_an_input_reads_the_first_eight(tmp_path):
-    """Files without `inputs` in their metadata hold a first layer of 8 inputs: they load
-    and predict from the first 8 features, whatever the last two say."""
-    torch.manual_seed(2)
-    old = SceneModel(12, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5]), inputs=OLD_INPUTS)
-    path = tmp_path / "old.safetensors"
-    tensors = {k: v.contiguous() for k, v in old.state_dict().items()}
-    meta = {"format": "streamworld-pusht-scene-model/1", "width": "12"}
-    safetensors.torch.save_file(tensors, str(path), metadata=meta)
-    loaded = SceneModel.load(path)
-    assert loaded.inputs == OLD_INPUTS
-    x = torch.randn(7, INPUTS)
-    expected = old.net(x[:, :OLD_INPUTS])
-    torch.testing.assert_close(loaded(x), expected)
-    x[:, OLD_INPUTS:] += 5.0
-    torch.testing.assert_close(loaded(x), expected)
-    safetensors.torch.save_file(tensors, str(path), metadata={**meta, "inputs": "9"})
-    with pytest.raises(ValueError, match="9 inputs"):
-        SceneModel.load(path)
-
-
-def test_the_features_say_where_the_agent_and_its_target_are_against_the_t():
-    """The vector from the T's nearest point to the agent, and the signed depth of the
-    action's target in the T, in the block's frame whatever its pose: an agent 20 units
-    above the bar's middle, 40 right of its end, under the stem; targets outside the T,
-    inside the stem (15 units from its sides) and inside the bar."""
-    angle = 0.7
-    c, s = np.cos(angle), np.sin(angle)
-
-    def world(x, y):  # a point of the block's frame in the world, the block at (256, 256)
-        return 256 + c * x - s * y, 256 + s * x + c * y
-
-    agents = [(0.0, -20.0), (100.0, 15.0), (0.0, 140.0)]
-    goals = [(0.0, -50.0), (0.0, 60.0), (50.0, 20.0)]
-    now = np.array([[*world(*a), 256.0, 256.0, angle] for a in agents])
-    action = np.array([world(*t) for t in goals])
-    x = features(now, now, action)
-    assert x.shape == (3, INPUTS)
-    np.testing.assert_allclose(x[:, 8:10] * 100, [[0, -20], [40, 0], [0, 20]], atol=1e-9)
-    np.testing.assert_allclose(x[:, 10] * 100, [50, -15, -10], atol=1e-9)
 
 def test_a_file_that_is_not_a_scene_model_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="no such file"):

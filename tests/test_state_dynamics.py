@@ -66,7 +66,6 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     assert saved.width == 16 and saved.scale.shape == (5,) and not torch.all(saved.scale == 1)
     assert saved.metadata == {
         "width": "16",
-        "inputs": "11",
         "episodes": "3",
         "data_seed": "0",
         "jump_share": "0.0",

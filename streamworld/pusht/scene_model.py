@@ -9,9 +9,8 @@ trains it, one step ahead or through rollouts, and writes it with `--save`;
 starting each plan from the scene `pose.estimate_scene` reads off the observed frame, at
 rest, as the world model starts each plan from that frame alone.
 
-Each step's input is the agent's place and last move, the block's last move and turn, and
-the action's target, in the block's own frame (so a push looks the same wherever the block
-is), and the output is one step's
+Each step's input is the agent's place and last move and the action's target in the block's
+own frame (so a push looks the same wherever the block is), and the output is one step's
 change of the block's pose (in that frame) and of the agent's place (`features`, `targets`,
 `apply`). The scene functions take NumPy arrays and tensors alike.
 """
@@ -27,13 +26,10 @@ import torch
 from torch import nn
 
 from .data import scene_row
-from .pose import _BAR, _STEM, draw_scene, estimate_scene, process_world
+from .pose import draw_scene, estimate_scene, process_world
 from .world import PushTWorld, Scene
 
-INPUTS, OUTPUTS = 11, 5
-# Models written before the agent's place against the T was an input read only the first
-# eight features; their files name no `inputs`.
-OLD_INPUTS = 8
+INPUTS, OUTPUTS = 8, 5
 FORMAT = "streamworld-pusht-scene-model/1"
 MAX_FILE_BYTES = 16 << 20  # a width-256 model is about 0.6 MB
 MAX_WIDTH = 1024
@@ -60,35 +56,9 @@ def _length(x, y):
     return torch.where(some, torch.sqrt(torch.where(some, squared, torch.ones_like(squared))), 0.0)
 
 
-def _clamp(x, low: float, high: float):
-    return np.clip(x, low, high) if _xp(x) is np else torch.clamp(x, low, high)
-
-
-def _to_tee(x, y):
-    """The vector from the T's nearest point to (x, y), both in the block's frame (world
-    units), and the signed distance (negative inside): the T is `pose`'s bar and stem."""
-    xp = _xp(x)
-    best = None
-    for x0, x1, y0, y1 in (_BAR, _STEM):
-        # Outside the box its nearest point is the clamp; inside, the signed distance is
-        # minus the distance to the nearest edge.
-        dx, dy = x - _clamp(x, x0, x1), y - _clamp(y, y0, y1)
-        inside = -xp.minimum(xp.minimum(x - x0, x1 - x), xp.minimum(y - y0, y1 - y))
-        signed = xp.where((dx != 0) | (dy != 0), _length(dx, dy), inside)
-        if best is None:
-            best = (dx, dy, signed)
-        else:
-            nearer = signed < best[2]
-            best = tuple(xp.where(nearer, new, old) for new, old in zip((dx, dy, signed), best, strict=True))
-    return best
-
-
 def features(before, now, action):
-    """[N, 11]: the agent's place and last step's move, and the action's target, in the
-    block's frame (world units / 100, moves / 10), the length of the block's last move
-    (/ 10), its last turn (radians x 10); and where the agent is against the T (the vector
-    from the T's nearest point to the agent's middle, / 100) and how deep its target lies
-    in the T (signed distance / 100, negative inside)."""
+    """[N, 8]: the agent's place and last step's move, and the action's target, in the
+    block's frame (world units / 100), and the block's last turn (radians)."""
     xp = _xp(now)
     bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
     ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
@@ -96,10 +66,7 @@ def features(before, now, action):
     tx, ty = _rotate(action[:, 0] - bx, action[:, 1] - by, ba)
     turn = (now[:, 4] - before[:, 4] + math.pi) % (2 * math.pi) - math.pi
     moved = _length(now[:, 2] - before[:, 2], now[:, 3] - before[:, 3])  # the block's last move
-    cx, cy, _ = _to_tee(ax, ay)
-    _, _, deep = _to_tee(tx, ty)
-    columns = [ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, moved / 10, turn * 10]
-    return xp.stack([*columns, cx / 100, cy / 100, deep / 100], 1)
+    return xp.stack([ax / 100, ay / 100, vx / 10, vy / 10, tx / 100, ty / 100, moved / 10, turn * 10], 1)
 
 
 def targets(now, after):
@@ -138,17 +105,13 @@ def draw_scenes(world: PushTWorld, scenes: np.ndarray) -> np.ndarray:
 class SceneModel(nn.Module):
     """The network (three hidden layers of `width`, SiLU) and the scale of its targets: it
     predicts each change divided by `scale` (the changes' standard deviation in its training
-    data). It reads the first `inputs` of the `features` (all of them, or `OLD_INPUTS` for a
-    model written before the agent's place against the T was an input)."""
+    data)."""
 
-    def __init__(self, width: int = 256, scale: torch.Tensor | None = None, inputs: int = INPUTS) -> None:
+    def __init__(self, width: int = 256, scale: torch.Tensor | None = None) -> None:
         super().__init__()
-        if inputs not in (INPUTS, OLD_INPUTS):
-            raise ValueError(f"a scene model reads {INPUTS} or {OLD_INPUTS} features, not {inputs}")
         self.width = width
-        self.inputs = inputs
         self.net = nn.Sequential(
-            nn.Linear(inputs, width),
+            nn.Linear(INPUTS, width),
             nn.SiLU(),
             nn.Linear(width, width),
             nn.SiLU(),
@@ -160,13 +123,12 @@ class SceneModel(nn.Module):
         self.metadata: dict[str, str] = {}  # what the file it was loaded from says about it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The predicted changes, divided by `scale` (what the objective compares), from
-        `features` [N, INPUTS]."""
-        return self.net(x[:, : self.inputs])
+        """The predicted changes, divided by `scale` (what the objective compares)."""
+        return self.net(x)
 
     def step(self, before: torch.Tensor, now: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         """The next scenes [N, 5] (differentiable: training through rollouts calls this)."""
-        return apply(now, self(features(before, now, action)) * self.scale)
+        return apply(now, self.net(features(before, now, action)) * self.scale)
 
     @torch.no_grad()
     def roll_out(self, start: np.ndarray, actions: np.ndarray) -> np.ndarray:
@@ -179,7 +141,7 @@ class SceneModel(nn.Module):
             x = torch.as_tensor(
                 features(before, now, actions[:, h].astype(np.float64)), dtype=dtype, device=device
             )
-            change = (self(x) * self.scale).double().cpu().numpy()
+            change = (self.net(x) * self.scale).double().cpu().numpy()
             before, now = now, apply(now, change)
             out[:, h] = now
         return out
@@ -194,7 +156,6 @@ class SceneModel(nn.Module):
             **{k: str(v) for k, v in (metadata or {}).items()},
             "format": FORMAT,
             "width": str(self.width),
-            "inputs": str(self.inputs),
         }
         safetensors.torch.save_file(tensors, str(path), metadata=meta)
 
@@ -226,10 +187,7 @@ class SceneModel(nn.Module):
             raise ValueError(f"{path}: the metadata has no width") from None
         if not 1 <= width <= MAX_WIDTH:
             raise ValueError(f"{path}: width {width}, expected 1 to {MAX_WIDTH}")
-        inputs = meta.get("inputs", str(OLD_INPUTS))
-        if inputs not in (str(INPUTS), str(OLD_INPUTS)):
-            raise ValueError(f"{path}: {inputs} inputs, expected {INPUTS} or {OLD_INPUTS}")
-        model = cls(width, inputs=int(inputs))
+        model = cls(width)
         try:
             model.load_state_dict(tensors)
         except RuntimeError as e:

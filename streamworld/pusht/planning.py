@@ -262,12 +262,7 @@ async def run_episode(
     plan after the first samples around, moved past the executed steps (`_shifted`): the last
     plan's final distribution (`mean`: the mean of its last elites) or the plan it chose
     (`plan`: its own knots), which `cem` tries first either way."""
-    if not replan_error >= 0:  # also refuses nan
-        raise ValueError(f"replan_error must be >= 0, got {replan_error}")
-    if not shape_weight >= 0:
-        raise ValueError(f"shape_weight must be >= 0, got {shape_weight}")
-    if warm_start not in WARM_STARTS:
-        raise ValueError(f"warm_start must be one of {', '.join(WARM_STARTS)}, got {warm_start!r}")
+    _check_options(replan_error, shape_weight, warm_start)
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
@@ -293,6 +288,16 @@ async def run_episode(
     finally:
         world.close()
     return result
+
+
+def _check_options(replan_error: float, shape_weight: float, warm_start: str) -> None:
+    """`run_episode`'s checks of its options: ValueError naming the one that is wrong."""
+    if not replan_error >= 0:  # also refuses nan
+        raise ValueError(f"replan_error must be >= 0, got {replan_error}")
+    if not shape_weight >= 0:
+        raise ValueError(f"shape_weight must be >= 0, got {shape_weight}")
+    if warm_start not in WARM_STARTS:
+        raise ValueError(f"warm_start must be one of {', '.join(WARM_STARTS)}, got {warm_start!r}")
 
 
 async def _plan(

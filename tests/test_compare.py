@@ -247,6 +247,13 @@ def test_reports_that_cannot_be_compared_are_refused(tmp_path):
             plan,
             "warm_start is 'plan'",
         ),
+        "one side mixing scene models": (
+            write(tmp_path, "s1.json", plan_report({0: True}, scene_model_sha256="a" * 64))
+            + ","
+            + write(tmp_path, "s2.json", plan_report({1: True}, scene_model_sha256="b" * 64)),
+            plan,
+            "scene_model_sha256 is 'bbbb",
+        ),
         "a seed twice in one side": (plan + "," + plan, plan, "seed 0 appears twice"),
         "no shared seed": (plan, write(tmp_path, "o.json", plan_report({5: True})), "share no seed"),
         "one side mixing KV modes": (

@@ -42,6 +42,7 @@ PLAN_SETTINGS = (
     "weights",
     "prediction",
     "rollouts",
+    "scene_model_sha256",
     "kv_mode",
     "timesteps",
     "ensemble",

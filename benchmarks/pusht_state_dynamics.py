@@ -36,6 +36,14 @@ The block error under the eval's scripted actions does not tell how a model plan
 candidates drawn as the planner draws them toward the task's goal, the block's error
 against the environment's at 8, 16 and 24 steps. `--candidate-share` records that share of
 the training episodes with such actions (`proposals.CandidatePolicy`).
+
+`--kind velocities` steps the physics' own state instead of the scene: the agent's and the
+block's velocities are carried, and the agent is stepped exactly as the environment steps
+it (`scene_model.py`). The report's `one_step` is the block's error one step ahead from the
+true state on held-out candidate-like episodes, which
+`benchmarks/pusht_step_determinism.py` measures for the physics itself. `--data FILE` keeps
+the recorded episodes (5-7 minutes of a run on two cores) for the next run with the same
+data options.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
 from streamworld.pusht.planning import make_task
 from streamworld.pusht.proposals import CandidatePolicy, block_middle
-from streamworld.pusht.scene_model import SceneModel, draw_scenes, features, targets
+from streamworld.pusht.scene_model import KINDS, SceneModel, draw_scenes, state_row
 from streamworld.pusht.world import WORLD_SIZE, PushTWorld, angle_error
 
 HORIZONS = (8, 16, 24, 32)
@@ -67,46 +75,52 @@ SIZE = 64
 BATCH = 1024  # default samples per training step: scenes, or rollout steps
 MAX_ROLLOUT = 32
 JUDGE_SEED = 50_000  # added to an eval seed for the candidates it is judged under
+ONE_STEP_EPISODES, ONE_STEP_SEED = 20, 7  # held out: training data is seed 2 by default
+MOVED = 0.1  # world units: one-step errors are scored where the true block moved this much
 
 
 def record_scenes(args: tuple[int, DatasetSpec]) -> tuple[np.ndarray, np.ndarray]:
-    """One training episode's scenes [steps + 1, 5] and actions [steps, 2], the frames not
-    drawn: the seeds and policy of `data.record_episode` (`DatasetSpec.policy`)."""
+    """One training episode's states [steps + 1, 10] (`scene_model.state_row`: the scene and
+    the velocities) and actions [steps, 2], the frames not drawn: the seeds and policy of
+    `data.record_episode` (`DatasetSpec.policy`)."""
     index, spec = args
     world, policy = PushTWorld(SIZE), spec.policy(index)
     world.reset(spec.episode_seed(index))
-    scenes, actions = [scene_row(world.scene)], []
+    scenes, actions = [state_row(world)], []
     for _ in range(spec.steps):
         actions.append(policy(world.scene))
         world.advance(actions[-1])
-        scenes.append(scene_row(world.scene))
+        scenes.append(state_row(world))
     world.close()
     return np.asarray(scenes, np.float64), np.asarray(actions, np.float64)
 
 
 def rollout_loss(model: SceneModel, episodes, taken, k: int, gen, batch: int = BATCH) -> torch.Tensor:
-    """The objective over rollouts: `batch // k` rollouts of k steps, each from a true scene
-    (and the one before it) under the episode's actions, scored at every step by the
-    change that would take the true scene to the predicted one (`targets`, scaled)."""
+    """The objective over rollouts: `batch // k` rollouts of k steps, each from a true state
+    (and the one before it) under the episode's actions, scored at every step by how far
+    the predicted state is from the true one (`SceneModel.errors`: the change that would
+    take the true scene to the predicted one, scaled)."""
     n, last = batch // k, episodes.shape[1] - k  # starts 1 .. steps - k
     e = torch.randint(0, episodes.shape[0], (n,), generator=gen).to(episodes.device)
     t = torch.randint(1, last, (n,), generator=gen).to(episodes.device)
+    episodes = episodes[..., : model.columns]
     before, now, loss = episodes[e, t - 1], episodes[e, t], 0.0
     for j in range(k):
         before, now = now, model.step(before, now, taken[e, t + j])
-        loss = loss + ((targets(episodes[e, t + j + 1], now) / model.scale) ** 2).mean()
+        loss = loss + (model.errors(episodes[e, t + j + 1], now) ** 2).mean()
     return loss / k
 
 
 def one_step_samples(
-    scenes: list[np.ndarray], actions: list[np.ndarray], device: str
+    model: SceneModel, scenes: list[np.ndarray], actions: list[np.ndarray], device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every step of the episodes as (`features`, `targets`), float32 on `device`."""
+    """Every step of the episodes as the model's (`inputs`, `changes`), float32 on `device`."""
     x, y = [], []
     for s, a in zip(scenes, actions, strict=True):
+        s = s[:, : model.columns]
         before = np.concatenate([s[:1], s[:-2]])  # the first step has no move before it
-        x.append(features(before, s[:-1], a))
-        y.append(targets(s[:-1], s[1:]))
+        x.append(model.inputs(before, s[:-1], a))
+        y.append(model.changes(s[:-1], s[1:]))
     return tuple(torch.tensor(np.concatenate(v), dtype=torch.float32, device=device) for v in (x, y))
 
 
@@ -122,6 +136,7 @@ def train(
     batch: int = BATCH,
     seconds: float = 0.0,
     max_grad_norm: float = 0.0,
+    kind: str = "moves",
 ) -> tuple[SceneModel, float, int, int]:
     """The scene model (on the CPU, in eval mode), trained on `device` one step ahead
     (`rollout_steps` 1) or through rollouts of that many steps (`rollout_loss`); its mean
@@ -134,9 +149,9 @@ def train(
     episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 5]
     taken = torch.tensor(np.stack(actions), dtype=torch.float32, device=device)  # [E, steps, 2]
 
-    x_all, y_all = one_step_samples(scenes, actions, device)
+    x_all, y_all = one_step_samples(SceneModel(1, kind=kind), scenes, actions, device)
     torch.manual_seed(seed)
-    model = SceneModel(width, y_all.std(0).clamp_min(1e-3)).to(device)
+    model = SceneModel(width, y_all.std(0).clamp_min(1e-3), kind).to(device)
     peak, warm = 2e-3, max(1, steps // 20)
     opt = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(seed)  # on the CPU, so a run draws the same batches anywhere
@@ -180,6 +195,54 @@ def record(spec: DatasetSpec, workers: int) -> list[tuple[np.ndarray, np.ndarray
     with mp.get_context("spawn").Pool(workers) as pool:
         found = pool.imap(record_scenes, jobs, chunksize=8)
         return list(tqdm(found, total=len(jobs), desc="recording scenes", unit="episode"))
+
+
+def recorded(spec: DatasetSpec, workers: int, path: Path | None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`record(spec, workers)`, or the episodes an earlier run with the same `spec` saved at
+    `path` (`--data`), which a run that records saves there."""
+    if path is None:
+        return record(spec, workers)
+    about = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    if path.is_file():
+        with np.load(path) as saved:
+            if str(saved["spec"]) != about:
+                raise SystemExit(f"--data {path}: recorded for {saved['spec']}, not for this run's {about}")
+            return list(zip(saved["states"], saved["actions"], strict=True))
+    episodes = record(spec, workers)
+    with path.open("wb") as f:
+        np.savez(
+            f,
+            spec=about,
+            states=np.stack([s for s, _ in episodes]),
+            actions=np.stack([a for _, a in episodes]),
+        )
+    return episodes
+
+
+def one_step_errors(model: SceneModel, episodes: int = ONE_STEP_EPISODES) -> dict:
+    """The block's error one step ahead from the true state (and the one before it) over
+    held-out episodes driven like the planner's candidates, on the steps whose true block
+    moved (`benchmarks/pusht_step_determinism.py` measures the same for the physics
+    itself): how well the network fits one step, apart from its rollouts' drift."""
+    spec = DatasetSpec(episodes, 150, SIZE, ONE_STEP_SEED, candidate_share=1.0)
+    errors, moves = [], []
+    for index in range(episodes):
+        states, actions = record_scenes((index, spec))
+        states = states[:, : model.columns]
+        before = np.concatenate([states[:1], states[:-2]])
+        with torch.no_grad():
+            step = model.step(*(torch.tensor(v, dtype=torch.float32) for v in (before, states[:-1], actions)))
+        step = step.double().numpy()
+        errors.append(np.hypot(*(step[:, 2:4] - states[1:, 2:4]).T))
+        moves.append(np.hypot(*(states[1:, 2:4] - states[:-1, 2:4]).T))
+    error, move = np.concatenate(errors), np.concatenate(moves)
+    scored = error[move >= MOVED] * SIZE / WORLD_SIZE
+    return {
+        "steps_scored": len(scored),
+        "block_px_mean": round(float(scored.mean()), 4),
+        "block_px_median": round(float(np.median(scored)), 4),
+        "block_px_p90": round(float(np.quantile(scored, 0.9)), 4),
+    }
 
 
 def score_rollouts(model: SceneModel, seeds: list[int]) -> list[dict]:
@@ -274,11 +337,11 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
         args.candidate_share,
     )
     started = time.perf_counter()
-    recorded = record(spec, args.workers)
+    episodes = recorded(spec, args.workers, args.data)
     record_seconds = time.perf_counter() - started
     model, loss, samples, taken_steps = train(
-        [s for s, _ in recorded],
-        [a for _, a in recorded],
+        [s for s, _ in episodes],
+        [a for _, a in episodes],
         args.train_steps,
         args.width,
         args.seed,
@@ -288,9 +351,15 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
         args.batch,
         args.train_minutes * 60,
         args.max_grad_norm,
+        args.kind,
     )
     train_seconds = time.perf_counter() - started - record_seconds
-    trained = {"train_steps": taken_steps, "rollout_steps": args.rollout_steps, "batch": args.batch}
+    trained = {
+        "kind": args.kind,
+        "train_steps": taken_steps,
+        "rollout_steps": args.rollout_steps,
+        "batch": args.batch,
+    }
     if args.max_grad_norm:
         trained["max_grad_norm"] = args.max_grad_norm
     saved = {}
@@ -325,6 +394,7 @@ def run(args: argparse.Namespace) -> dict:
         about = {"model": {"loaded": args.load.name, "sha256": sha256, **model.metadata}}
     else:
         model, about = record_and_train(args)
+    one_step = one_step_errors(model)
     rows = score_rollouts(model, args.seeds)
     judged = (
         {"candidates": score_candidates(model, args.seeds, args.judge_candidates)}
@@ -338,6 +408,7 @@ def run(args: argparse.Namespace) -> dict:
         **about,
         "seeds": [args.seeds[0], args.seeds[-1], len(args.seeds)],
         "horizons": block_summary(rows, HORIZONS),
+        "one_step": one_step,
         **judged,
     }
 
@@ -405,6 +476,14 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--width", type=int, default=256, help="the network's width (default 256)")
     parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="moves",
+        help="the state the model steps: the scene, with the agent's and the block's last moves as "
+        "inputs (moves, the default), or the physics' state with the agent's and the block's "
+        "velocities, the agent stepped exactly as the environment steps it (velocities)",
+    )
+    parser.add_argument(
         "--max-grad-norm",
         type=float,
         default=0.0,
@@ -422,6 +501,14 @@ def make_parser() -> argparse.ArgumentParser:
     _add_training_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     parser.add_argument("--workers", type=int, default=2, help="recording processes (default 2)")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="FILE",
+        help="keep the recorded episodes here (.npz): a run finding the file trains on its episodes "
+        "instead of recording them, if they were recorded with the same data options (refused "
+        "otherwise); a run not finding it records and writes it",
+    )
     parser.add_argument(
         "--seeds", type=parse_seeds, default=parse_seeds("0-99"), help="eval episode seeds (default 0-99)"
     )
@@ -476,7 +563,7 @@ def main() -> None:
         parser.error("--batch must be at least --rollout-steps (one rollout)")
     if args.steps_per_episode < args.rollout_steps + 2:
         parser.error("--steps-per-episode must be at least --rollout-steps + 2")
-    for name in ("json", "save"):
+    for name in ("json", "save", "data"):
         path = getattr(args, name)
         if path and not path.parent.is_dir():
             parser.error(f"--{name}: the folder {path.parent} does not exist")

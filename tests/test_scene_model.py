@@ -17,9 +17,14 @@ from streamworld.pusht.pose import draw_scene, estimate_scene
 from streamworld.pusht.scene_model import (
     SceneModel,
     SceneModelRollouts,
+    agent_step,
     apply,
     features,
+    state_row,
     targets,
+    velocity_apply,
+    velocity_features,
+    velocity_targets,
 )
 from streamworld.pusht.world import PushTWorld, Scene
 
@@ -28,9 +33,9 @@ def _scenes(rng, n):
     return np.column_stack([rng.uniform(0, 512, (n, 4)), rng.uniform(-3, 3, n)])
 
 
-def _still(width=8) -> SceneModel:
-    """A model that predicts no change."""
-    model = SceneModel(width)
+def _still(width=8, kind="moves") -> SceneModel:
+    """A model that predicts no change (of the block, for `velocities`)."""
+    model = SceneModel(width, kind=kind)
     torch.nn.init.zeros_(model.net[-1].weight)
     torch.nn.init.zeros_(model.net[-1].bias)
     return model.eval()
@@ -98,6 +103,103 @@ def test_a_batch_rolls_out_as_each_candidate_alone_and_as_the_training_step():
     np.testing.assert_allclose(_still().roll_out(start, actions), np.repeat(start[:, None], 6, 1))
 
 
+def _physics_episode(seed=3, steps=60):
+    """States [steps + 1, 10] (`state_row`) and actions [steps, 2] of an episode whose
+    targets jump every 4 steps, some outside the world, pushing the block."""
+    world = PushTWorld(64)
+    world.reset(seed)
+    rng = np.random.default_rng(seed)
+    states, actions = [state_row(world)], []
+    for t in range(steps):
+        if t % 4 == 0:
+            target = np.array(world.scene.block[:2]) + rng.normal(0, 80, 2)
+            target[0] = -30.0 if t == 8 else target[0]  # clipped, as the environment clips it
+        world.advance(target)
+        actions.append(target.copy())
+        states.append(state_row(world))
+    world.close()
+    return np.array(states), np.array(actions)
+
+
+def test_the_agent_steps_exactly_as_the_environment_steps_it():
+    states, actions = _physics_episode()
+    place, velocity = agent_step(states[:-1, 0:2], states[:-1, 5:7], actions)
+    np.testing.assert_allclose(place, states[1:, 0:2], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(velocity, states[1:, 5:7], rtol=0, atol=1e-9)
+    assert np.abs(states[1:, 7:]).max() > 1  # the block was pushed: its velocity is in the state
+
+
+def test_a_velocities_change_applied_gives_the_state_it_was_taken_to():
+    states, actions = _physics_episode(seed=4)
+    now, after = states[:-1], states[1:]
+    np.testing.assert_allclose(velocity_apply(now, velocity_targets(now, after), actions), after, atol=1e-9)
+    t = torch.tensor
+    np.testing.assert_allclose(
+        velocity_targets(t(now), t(after)).numpy(), velocity_targets(now, after), atol=1e-9
+    )
+    np.testing.assert_allclose(velocity_features(t(now), t(actions)).numpy(), velocity_features(now, actions))
+    # The input is the step seen from the block: turned and moved together, it is the same.
+    turn, shift = 0.7, np.array([30.0, -20.0])
+    c, s = np.cos(turn), np.sin(turn)
+    r = np.array([[c, -s], [s, c]])
+    moved = now.copy()
+    moved[:, 0:2], moved[:, 2:4] = now[:, 0:2] @ r.T + shift, now[:, 2:4] @ r.T + shift
+    moved[:, 4] += turn
+    moved[:, 5:7], moved[:, 7:9] = now[:, 5:7] @ r.T, now[:, 7:9] @ r.T
+    turned = actions @ r.T + shift
+    inside = (np.clip(actions, 0, 512) == actions).all(1) & (np.clip(turned, 0, 512) == turned).all(1)
+    assert inside.sum() > 20
+    np.testing.assert_allclose(
+        velocity_features(moved[inside], turned[inside]),
+        velocity_features(now[inside], actions[inside]),
+        atol=1e-9,
+    )
+
+
+def test_a_velocities_model_rolls_out_from_rest_as_its_training_step_does():
+    torch.manual_seed(0)
+    model = SceneModel(16, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5, 0.2]), kind="velocities").eval()
+    assert model.columns == 10
+    rng = np.random.default_rng(2)
+    start = _scenes(rng, 4)
+    actions = rng.uniform(0, 512, (4, 6, 2))
+    batch = model.roll_out(start, actions)
+    assert batch.shape == (4, 6, 5)
+    for i in range(4):
+        np.testing.assert_allclose(
+            model.roll_out(start[i : i + 1], actions[i : i + 1])[0], batch[i], atol=1e-9
+        )
+    # Each step is the differentiable `step` training calls, from the state it reached,
+    # velocities carried: the roll-out starts at rest.
+    now = torch.tensor(np.concatenate([start, np.zeros((4, 5))], 1), dtype=torch.float32)
+    with torch.no_grad():
+        for h in range(6):
+            now = model.step(now, now, torch.tensor(actions[:, h], dtype=torch.float32))
+            np.testing.assert_allclose(now[:, :5].numpy(), batch[:, h], rtol=1e-4, atol=1e-2)
+    # A model that predicts no change of the block moves the agent as the environment does.
+    still = _still(kind="velocities").roll_out(start, actions)
+    np.testing.assert_allclose(still[..., 2:], np.repeat(start[:, None, 2:], 6, 1))
+    place, velocity = start[:, :2], np.zeros((4, 2))
+    for h in range(6):
+        place, velocity = agent_step(place, velocity, actions[:, h])
+        np.testing.assert_array_equal(still[:, h, :2], place)
+
+
+def test_a_velocities_models_errors_score_the_block_not_the_agent():
+    model = SceneModel(8, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5, 0.2]), kind="velocities")
+    states, _ = _physics_episode(seed=5, steps=10)
+    true = torch.tensor(states, dtype=torch.float32)
+    off = true.clone()
+    off[:, 0:2] += 50.0  # the agent is never scored: the model steps it exactly
+    assert model.errors(true, off).abs().max() < 1e-6
+    off[:, 7] += 100.0  # the block's velocity: 1 unit of the target, divided by its scale
+    errors = model.errors(true, off)
+    np.testing.assert_allclose(
+        torch.hypot(errors[:, 3] * 0.5, errors[:, 4] * 0.5).numpy(), np.ones(11), rtol=1e-5
+    )
+    assert errors[:, :3].abs().max() < 1e-4 and errors[:, 5].abs().max() < 1e-6
+
+
 def test_a_saved_model_loads_and_predicts_the_same(tmp_path):
     torch.manual_seed(1)
     model = SceneModel(12, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5]))
@@ -108,6 +210,33 @@ def test_a_saved_model_loads_and_predicts_the_same(tmp_path):
     x = torch.randn(7, 8)
     torch.testing.assert_close(loaded(x), model(x))
     torch.testing.assert_close(loaded.scale, model.scale)
+
+
+def test_a_saved_model_keeps_its_kind_and_older_files_are_moves(tmp_path):
+    torch.manual_seed(2)
+    model = SceneModel(12, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5, 0.2]), kind="velocities")
+    path = tmp_path / "scene.safetensors"
+    model.save(path)
+    loaded = SceneModel.load(path)
+    assert loaded.kind == "velocities" and loaded.columns == 10
+    x = torch.randn(7, 11)
+    torch.testing.assert_close(loaded(x), model(x))
+    # A file written before the kinds has no `kind`: it is the first kind, `moves`.
+    SceneModel(8).save(path)
+    tensors = safetensors.torch.load_file(str(path))
+    safetensors.torch.save_file(
+        tensors, str(path), metadata={"format": "streamworld-pusht-scene-model/1", "width": "8"}
+    )
+    assert SceneModel.load(path).kind == "moves"
+    safetensors.torch.save_file(
+        tensors,
+        str(path),
+        metadata={"format": "streamworld-pusht-scene-model/1", "width": "8", "kind": "frames"},
+    )
+    with pytest.raises(ValueError, match="unknown kind 'frames'"):
+        SceneModel.load(path)
+    with pytest.raises(ValueError, match="unknown scene model kind"):
+        SceneModel(8, kind="frames")
 
 
 def test_a_file_that_is_not_a_scene_model_is_refused_with_the_reason(tmp_path):
@@ -221,7 +350,7 @@ def test_eval_plan_with_a_scene_model_reports_it(tmp_path, capsys):
     from streamworld.cli import main
 
     path = tmp_path / "scene.safetensors"
-    _still().save(path)
+    _still(kind="velocities").save(path)
     out = tmp_path / "plan.json"
     args = ["eval", "pusht", "--plan", "--scene-model", str(path), "--seeds", "0", "--samples", "4"]
     args += ["--elites", "2", "--iterations", "1", "--budget", "8", "--json", str(out)]
@@ -229,7 +358,7 @@ def test_eval_plan_with_a_scene_model_reports_it(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["rollouts"] == "scene-model" and report["scene_model"] == "scene.safetensors"
     assert report["scene_model_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert len(report["episodes"]) == 1
+    assert report["scene_model_kind"] == "velocities" and len(report["episodes"]) == 1
 
 
 def test_eval_plan_refuses_a_bad_scene_model_and_model_options(tmp_path, capsys):

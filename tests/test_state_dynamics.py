@@ -27,11 +27,13 @@ def test_the_scenes_are_those_train_pusht_records():
         kinds.add(type(policy).__name__)
         _, true_actions, true_states = record_episode(spec.episode_seed(index), policy, 12, dyn.SIZE)
         np.testing.assert_allclose(actions, true_actions, atol=1e-3)
-        np.testing.assert_allclose(scenes, true_states, atol=1e-3)
+        np.testing.assert_allclose(scenes[:, :5], true_states, atol=1e-3)
+        assert scenes.shape == (13, 10) and np.abs(scenes[1:, 5:7]).max() > 0  # the agent's velocity
     assert kinds == {"CandidatePolicy", "ScriptedPolicy"}
 
 
-def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tmp_path):
+@pytest.mark.parametrize("kind", ["moves", "velocities"])
+def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tmp_path, kind):
     args = argparse.Namespace(
         episodes=3,
         steps_per_episode=40,
@@ -52,6 +54,8 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
         max_grad_norm=0.0,
         load=None,
         save=tmp_path / "scene.safetensors",
+        kind=kind,
+        data=None,
     )
     report = dyn.run(args)
     assert report["model"]["rollout_steps"] == 4 and report["model"]["batch"] == 64
@@ -59,13 +63,16 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     assert report["model"]["samples"] == 3 * 40
     assert all(v["block_px_mean"] is None or v["block_px_mean"] >= 0 for v in report["horizons"].values())
     assert report["model"]["saved"] == "scene.safetensors" and len(report["model"]["sha256"]) == 64
+    assert report["one_step"]["steps_scored"] > 0 and report["one_step"]["block_px_mean"] >= 0
     judged = report["candidates"]
     assert judged["candidates"] == 2 * 3 and 0 <= judged["moved"] <= 6
     assert set(judged["horizons"]) == {str(h) for h in dyn.CANDIDATE_HORIZONS}
     saved = SceneModel.load(tmp_path / "scene.safetensors")
-    assert saved.width == 16 and saved.scale.shape == (5,) and not torch.all(saved.scale == 1)
+    assert saved.kind == kind and saved.scale.shape == ((5,) if kind == "moves" else (6,))
+    assert saved.width == 16 and not torch.all(saved.scale == 1)
     assert saved.metadata == {
         "width": "16",
+        "kind": kind,
         "episodes": "3",
         "data_seed": "0",
         "jump_share": "0.0",
@@ -172,3 +179,39 @@ def test_a_loss_that_stops_being_finite_ends_training_with_an_error(monkeypatch,
     with pytest.raises(SystemExit) as exited:
         dyn.main()
     assert exited.value.code == 1 and "training diverged: the loss is nan" in capsys.readouterr().err
+
+
+def test_recorded_episodes_are_kept_and_reused_only_for_the_same_data(tmp_path, monkeypatch):
+    spec = DatasetSpec(episodes=2, steps=10, size=dyn.SIZE, seed=4, candidate_share=1.0)
+    path = tmp_path / "data.npz"
+    first = dyn.recorded(spec, 1, path)
+    assert path.is_file() and len(first) == 2 and first[0][0].shape == (11, 10)
+
+    def no_recording(*_):
+        raise AssertionError("recorded again")
+
+    monkeypatch.setattr(dyn, "record", no_recording)
+    again = dyn.recorded(spec, 1, path)
+    for (s0, a0), (s1, a1) in zip(first, again, strict=True):
+        np.testing.assert_array_equal(s0, s1)
+        np.testing.assert_array_equal(a0, a1)
+    other = DatasetSpec(episodes=2, steps=10, size=dyn.SIZE, seed=5, candidate_share=1.0)
+    with pytest.raises(SystemExit, match=r"recorded for .*not for this run's"):
+        dyn.recorded(other, 1, path)
+
+
+def test_one_step_errors_of_a_still_block_are_the_true_moves():
+    """A model that predicts no change of the block misses, one step ahead, by exactly how
+    far the true block moved, on the steps it scores."""
+    still = SceneModel(8, kind="velocities")
+    torch.nn.init.zeros_(still.net[-1].weight)
+    torch.nn.init.zeros_(still.net[-1].bias)
+    report = dyn.one_step_errors(still, episodes=2)
+    spec = DatasetSpec(2, 150, dyn.SIZE, dyn.ONE_STEP_SEED, candidate_share=1.0)
+    moves = np.concatenate(
+        [np.hypot(*np.diff(dyn.record_scenes((i, spec))[0][:, 2:4], axis=0).T) for i in range(2)]
+    )
+    moves = moves[moves >= dyn.MOVED] * dyn.SIZE / 512
+    assert report["steps_scored"] == len(moves) > 0
+    assert report["block_px_mean"] == pytest.approx(moves.mean(), abs=2e-4)
+    assert report["block_px_median"] == pytest.approx(np.median(moves), abs=2e-4)

@@ -440,6 +440,7 @@ def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
         "rollouts": "scene-model",
         "scene_model": args.scene_model.name,
         "scene_model_sha256": hashlib.sha256(args.scene_model.read_bytes()).hexdigest(),
+        "scene_model_kind": scene_model.kind,
         "device": "cpu",
     }
     # Only the cost's last frame is read unless the cost reads every frame or a replan

@@ -9,10 +9,22 @@ trains it, one step ahead or through rollouts, and writes it with `--save`;
 starting each plan from the scene `pose.estimate_scene` reads off the observed frame, at
 rest, as the world model starts each plan from that frame alone.
 
-Each step's input is the agent's place and last move and the action's target in the block's
-own frame (so a push looks the same wherever the block is), and the output is one step's
-change of the block's pose (in that frame) and of the agent's place (`features`, `targets`,
-`apply`). The scene functions take NumPy arrays and tensors alike.
+Two kinds of model (`KINDS`), both seeing each step in the block's own frame (so a push
+looks the same wherever the block is):
+
+- `moves` (the first kind): the state is the scene [N, 5]; a step's input is the agent's
+  place and last move and the action's target, and the output is one step's change of the
+  block's pose (in that frame) and of the agent's place (`features`, `targets`, `apply`).
+- `velocities`: the state is the physics' own, [N, 10] (`state_row`): the scene, the
+  agent's velocity and the block's velocity and spin. The agent is a kinematic body that
+  nothing pushes back, so its step is computed exactly as the environment computes it
+  (`agent_step`); the network predicts the block's change of pose and the velocity it is
+  left with, which the environment carries into the next step's first substep
+  (`velocity_features`, `velocity_targets`, `velocity_apply`). Given that state, a step's
+  outcome is nearly determined (docs/pusht.md); given the scene and its last move alone,
+  it is not.
+
+The scene functions take NumPy arrays and tensors alike.
 """
 
 from __future__ import annotations
@@ -27,9 +39,15 @@ from torch import nn
 
 from .data import scene_row
 from .pose import draw_scene, estimate_scene, process_world
-from .world import PushTWorld, Scene
+from .world import WORLD_SIZE, PushTWorld, Scene
 
-INPUTS, OUTPUTS = 8, 5
+INPUTS, OUTPUTS = 8, 5  # the `moves` kind's; also a scene's columns
+KINDS = ("moves", "velocities")
+STATE_COLUMNS = {"moves": 5, "velocities": 10}
+VELOCITY_INPUTS, VELOCITY_OUTPUTS = 11, 6
+# gym-pusht's control: each 0.1-s step is 10 substeps of 0.01 s, in each of which the PD
+# control sets the agent's velocity and the physics moves it (a test holds these to it).
+K_P, K_V, SUBSTEPS, DT = 100.0, 20.0, 10, 0.01
 FORMAT = "streamworld-pusht-scene-model/1"
 MAX_FILE_BYTES = 16 << 20  # a width-256 model is about 0.6 MB
 MAX_WIDTH = 1024
@@ -96,6 +114,80 @@ def apply(now, change):
     )
 
 
+def state_row(world: PushTWorld) -> list[float]:
+    """The physics' state of `world` as one row of the `velocities` kind: the scene
+    (`data.scene_row`), the agent's velocity, the block's velocity and its spin (world units
+    and radians per second)."""
+    env = world.env
+    return [*scene_row(world.scene), *env.agent.velocity, *env.block.velocity, env.block.angular_velocity]
+
+
+def _agent_coefficients() -> tuple[float, ...]:
+    """The agent's step as a linear map: its place and velocity after one step are
+    `p * place + v * velocity + t * target` for the (p, v, t) of each, found by running the
+    environment's substeps on one unit at a time."""
+    out = []
+    for unit in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)):
+        place, velocity, target = unit
+        for _ in range(SUBSTEPS):
+            velocity = velocity + (K_P * (target - place) + K_V * (0 - velocity)) * DT
+            place = place + velocity * DT
+        out.append((place, velocity))
+    (pp, vp), (pv, vv), (pt, vt) = out
+    return pp, pv, pt, vp, vv, vt
+
+
+_AGENT = _agent_coefficients()
+
+
+def agent_step(place, velocity, action):
+    """The agent's place and velocity [N, 2] after one step toward `action` [N, 2] (clipped
+    to the world, as `PushTWorld.advance` clips it): the environment's substeps, a linear
+    map of the three (equal to its numbers to float64's rounding)."""
+    pp, pv, pt, vp, vv, vt = _AGENT
+    target = _xp(place).clip(action, 0.0, WORLD_SIZE)
+    return pp * place + pv * velocity + pt * target, vp * place + vv * velocity + vt * target
+
+
+def velocity_features(now, action):
+    """[N, 11]: the `velocities` kind's input, in the block's frame: the agent's place, its
+    velocity, the action's target and the agent's place after the step (world units / 100;
+    velocities / 1000), and the block's velocity (/ 1000) and spin (/ 10)."""
+    xp = _xp(now)
+    bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
+    end, _ = agent_step(now[:, 0:2], now[:, 5:7], action)
+    ax, ay = _rotate(now[:, 0] - bx, now[:, 1] - by, ba)
+    avx, avy = _rotate(now[:, 5], now[:, 6], ba)
+    target = xp.clip(action, 0.0, WORLD_SIZE)
+    tx, ty = _rotate(target[:, 0] - bx, target[:, 1] - by, ba)
+    ex, ey = _rotate(end[:, 0] - bx, end[:, 1] - by, ba)
+    bvx, bvy = _rotate(now[:, 7], now[:, 8], ba)
+    columns = [ax / 100, ay / 100, avx / 1000, avy / 1000, tx / 100, ty / 100, ex / 100, ey / 100]
+    return xp.stack([*columns, bvx / 1000, bvy / 1000, now[:, 9] / 10], 1)
+
+
+def velocity_targets(now, after):
+    """[N, 6]: one step's change of the block's pose (`targets`' first three) and the
+    block's velocity (/ 100, in `now`'s block frame) and spin after it."""
+    bvx, bvy = _rotate(after[:, 7], after[:, 8], now[:, 4])
+    pose = targets(now, after)
+    return _xp(now).stack([pose[:, 0], pose[:, 1], pose[:, 2], bvx / 100, bvy / 100, after[:, 9]], 1)
+
+
+def velocity_apply(now, change, action):
+    """The state [N, 10] after `change` (`velocity_targets`' units) from `now` under
+    `action`: the agent stepped exactly (`agent_step`), the block by the change."""
+    xp = _xp(now)
+    place, velocity = agent_step(now[:, 0:2], now[:, 5:7], action)
+    c, s = xp.cos(now[:, 4]), xp.sin(now[:, 4])
+    dbx, dby, turn, bvx, bvy, spin = (change[:, k] for k in range(VELOCITY_OUTPUTS))
+    block = [now[:, 2] + c * dbx - s * dby, now[:, 3] + s * dbx + c * dby, now[:, 4] + turn / 100]
+    block_velocity = [(c * bvx - s * bvy) * 100, (s * bvx + c * bvy) * 100]
+    return xp.stack(
+        [place[:, 0], place[:, 1], *block, velocity[:, 0], velocity[:, 1], *block_velocity, spin], 1
+    )
+
+
 def draw_scenes(world: PushTWorld, scenes: np.ndarray) -> np.ndarray:
     """Frames [N, H, W, 3] uint8 of scenes [N, 5] (agent x, y, block x, y, angle), each
     drawn at rest on `world` (`pose.draw_scene`)."""
@@ -105,45 +197,80 @@ def draw_scenes(world: PushTWorld, scenes: np.ndarray) -> np.ndarray:
 class SceneModel(nn.Module):
     """The network (three hidden layers of `width`, SiLU) and the scale of its targets: it
     predicts each change divided by `scale` (the changes' standard deviation in its training
-    data)."""
+    data). `kind` (`KINDS`) is the state it steps: the scene alone (`moves`) or the physics'
+    state with the velocities (`velocities`)."""
 
-    def __init__(self, width: int = 256, scale: torch.Tensor | None = None) -> None:
+    def __init__(self, width: int = 256, scale: torch.Tensor | None = None, kind: str = "moves") -> None:
         super().__init__()
-        self.width = width
+        if kind not in KINDS:
+            raise ValueError(f"unknown scene model kind {kind!r}, expected one of {KINDS}")
+        self.width, self.kind = width, kind
+        inputs, outputs = (INPUTS, OUTPUTS) if kind == "moves" else (VELOCITY_INPUTS, VELOCITY_OUTPUTS)
         self.net = nn.Sequential(
-            nn.Linear(INPUTS, width),
+            nn.Linear(inputs, width),
             nn.SiLU(),
             nn.Linear(width, width),
             nn.SiLU(),
             nn.Linear(width, width),
             nn.SiLU(),
-            nn.Linear(width, OUTPUTS),
+            nn.Linear(width, outputs),
         )
-        self.register_buffer("scale", torch.ones(OUTPUTS) if scale is None else scale.float().clone())
+        self.register_buffer("scale", torch.ones(outputs) if scale is None else scale.float().clone())
         self.metadata: dict[str, str] = {}  # what the file it was loaded from says about it
+
+    @property
+    def columns(self) -> int:
+        """A state's columns: 5 (the scene) or 10 (with the velocities)."""
+        return STATE_COLUMNS[self.kind]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The predicted changes, divided by `scale` (what the objective compares)."""
         return self.net(x)
 
+    def inputs(self, before, now, action):
+        """The network's input for a step from `now` (after `before`, which only the `moves`
+        kind reads) under `action`."""
+        return features(before, now, action) if self.kind == "moves" else velocity_features(now, action)
+
+    def changes(self, now, after):
+        """The network's target for the step from `now` to `after` (in the data's units,
+        not divided by `scale`)."""
+        return targets(now, after) if self.kind == "moves" else velocity_targets(now, after)
+
+    def errors(self, true: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+        """[N, outputs]: how far predicted states are from true ones, in the network's
+        units (divided by `scale`): the change that takes the true scene to the predicted
+        one, and for `velocities` the block's velocity and spin off (the agent's, being
+        exact, are not scored)."""
+        if self.kind == "moves":
+            return targets(true, predicted) / self.scale
+        pose = targets(true[:, :5], predicted[:, :5])
+        vx, vy = _rotate(predicted[:, 7] - true[:, 7], predicted[:, 8] - true[:, 8], true[:, 4])
+        off = torch.stack(
+            [pose[:, 0], pose[:, 1], pose[:, 2], vx / 100, vy / 100, predicted[:, 9] - true[:, 9]], 1
+        )
+        return off / self.scale
+
     def step(self, before: torch.Tensor, now: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        """The next scenes [N, 5] (differentiable: training through rollouts calls this)."""
-        return apply(now, self.net(features(before, now, action)) * self.scale)
+        """The next states [N, columns] (differentiable: training through rollouts calls this)."""
+        change = self.net(self.inputs(before, now, action)) * self.scale
+        return apply(now, change) if self.kind == "moves" else velocity_apply(now, change, action)
 
     @torch.no_grad()
     def roll_out(self, start: np.ndarray, actions: np.ndarray) -> np.ndarray:
         """Scenes [N, H, 5] predicted from `start` [N, 5] (at rest) under `actions` [N, H, 2],
         stepped in float64 as the environment's scenes are."""
-        before = now = np.asarray(start, np.float64)
+        start = np.asarray(start, np.float64)
+        before = now = np.concatenate([start, np.zeros((len(start), self.columns - OUTPUTS))], 1)
         out = np.empty((*actions.shape[:2], OUTPUTS), np.float64)
         dtype, device = self.scale.dtype, self.scale.device
         for h in range(actions.shape[1]):
-            x = torch.as_tensor(
-                features(before, now, actions[:, h].astype(np.float64)), dtype=dtype, device=device
-            )
+            action = actions[:, h].astype(np.float64)
+            x = torch.as_tensor(self.inputs(before, now, action), dtype=dtype, device=device)
             change = (self.net(x) * self.scale).double().cpu().numpy()
-            before, now = now, apply(now, change)
-            out[:, h] = now
+            after = apply(now, change) if self.kind == "moves" else velocity_apply(now, change, action)
+            before, now = now, after
+            out[:, h] = now[:, :OUTPUTS]
         return out
 
     def save(self, path: Path, metadata: dict | None = None) -> None:
@@ -156,6 +283,7 @@ class SceneModel(nn.Module):
             **{k: str(v) for k, v in (metadata or {}).items()},
             "format": FORMAT,
             "width": str(self.width),
+            "kind": self.kind,
         }
         safetensors.torch.save_file(tensors, str(path), metadata=meta)
 
@@ -187,7 +315,10 @@ class SceneModel(nn.Module):
             raise ValueError(f"{path}: the metadata has no width") from None
         if not 1 <= width <= MAX_WIDTH:
             raise ValueError(f"{path}: width {width}, expected 1 to {MAX_WIDTH}")
-        model = cls(width)
+        kind = meta.get("kind", "moves")  # files from before the kinds are `moves`
+        if kind not in KINDS:
+            raise ValueError(f"{path}: unknown kind {kind!r}, expected one of {KINDS}")
+        model = cls(width, kind=kind)
         try:
             model.load_state_dict(tensors)
         except RuntimeError as e:

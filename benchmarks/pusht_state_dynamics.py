@@ -328,6 +328,19 @@ def _candidate_summary(errors: np.ndarray, moved: np.ndarray) -> dict[str, dict]
     return {"candidates": len(moved), "moved": int(moved.sum()), "horizons": out}
 
 
+def save(model: SceneModel, path: Path, spec: DatasetSpec, trained: dict) -> dict:
+    """Write the model with its data's and training's settings; the report's file name and
+    sha256."""
+    data = {
+        "episodes": spec.episodes,
+        "data_seed": spec.seed,
+        "jump_share": spec.jump_share,
+        "candidate_share": spec.candidate_share,
+    }
+    model.save(path, {**data, **trained})
+    return {"saved": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
 def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     """The model trained as `args` say, on episodes recorded for it (written to `--save`),
     and the report's data, model and seconds."""
@@ -366,16 +379,7 @@ def record_and_train(args: argparse.Namespace) -> tuple[SceneModel, dict]:
     }
     if args.max_grad_norm:
         trained["max_grad_norm"] = args.max_grad_norm
-    saved = {}
-    if args.save:
-        data = {
-            "episodes": spec.episodes,
-            "data_seed": spec.seed,
-            "jump_share": spec.jump_share,
-            "candidate_share": spec.candidate_share,
-        }
-        model.save(args.save, {**data, **trained})
-        saved = {"saved": args.save.name, "sha256": hashlib.sha256(args.save.read_bytes()).hexdigest()}
+    saved = save(model, args.save, spec, trained) if args.save else {}
     return model, {
         "data": {k: v for k, v in dataclasses.asdict(spec).items() if k != "size"},  # SIZE is fixed
         "model": {

@@ -78,9 +78,9 @@ def test_a_block_that_did_not_move_gives_a_finite_gradient():
     assert torch.isfinite(now.grad).all()
 
 
-def test_a_batch_rolls_out_as_each_candidate_alone_and_as_the_training_step():
-    torch.manual_seed(0)
-    model = SceneModel(16, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5])).eval()
+def _rolled_out(model: SceneModel):
+    """Starts [4, 5], actions [4, 6, 2] and the model's rollouts of them as one batch,
+    checked to be what each candidate's rollout alone gives."""
     rng = np.random.default_rng(2)
     start = _scenes(rng, 4)
     actions = rng.uniform(0, 512, (4, 6, 2))
@@ -90,6 +90,13 @@ def test_a_batch_rolls_out_as_each_candidate_alone_and_as_the_training_step():
         np.testing.assert_allclose(
             model.roll_out(start[i : i + 1], actions[i : i + 1])[0], batch[i], atol=1e-9
         )
+    return start, actions, batch
+
+
+def test_a_batch_rolls_out_as_each_candidate_alone_and_as_the_training_step():
+    torch.manual_seed(0)
+    model = SceneModel(16, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5])).eval()
+    start, actions, batch = _rolled_out(model)
     # The first step from rest is the differentiable `step` training calls.
     s = torch.tensor(start, dtype=torch.float32)
     first = model.step(s, s, torch.tensor(actions[:, 0], dtype=torch.float32))
@@ -160,15 +167,7 @@ def test_a_velocities_model_rolls_out_from_rest_as_its_training_step_does():
     torch.manual_seed(0)
     model = SceneModel(16, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5, 0.2]), kind="velocities").eval()
     assert model.columns == 10
-    rng = np.random.default_rng(2)
-    start = _scenes(rng, 4)
-    actions = rng.uniform(0, 512, (4, 6, 2))
-    batch = model.roll_out(start, actions)
-    assert batch.shape == (4, 6, 5)
-    for i in range(4):
-        np.testing.assert_allclose(
-            model.roll_out(start[i : i + 1], actions[i : i + 1])[0], batch[i], atol=1e-9
-        )
+    start, actions, batch = _rolled_out(model)
     # Each step is the differentiable `step` training calls, from the state it reached,
     # velocities carried: the roll-out starts at rest.
     now = torch.tensor(np.concatenate([start, np.zeros((4, 5))], 1), dtype=torch.float32)

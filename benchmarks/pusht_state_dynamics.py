@@ -42,7 +42,7 @@ block's velocities are carried, and the agent is stepped exactly as the environm
 it (`scene_model.py`). The report's `one_step` is the block's error one step ahead from the
 true state on held-out candidate-like episodes, which
 `benchmarks/pusht_step_determinism.py` measures for the physics itself. `--data FILE` keeps
-the recorded episodes (5-7 minutes of a run on two cores) for the next run with the same
+the recorded episodes (5-9 minutes of a run on two cores) for the next run with the same
 data options.
 """
 
@@ -56,6 +56,7 @@ import math
 import multiprocessing as mp
 import platform
 import time
+import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def train(
     (0: off) clips the gradient's norm. `Diverged` if the loss stops being finite."""
     from tqdm import tqdm
 
-    episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 5]
+    episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 10]
     taken = torch.tensor(np.stack(actions), dtype=torch.float32, device=device)  # [E, steps, 2]
 
     x_all, y_all = one_step_samples(SceneModel(1, kind=kind), scenes, actions, device)
@@ -208,10 +209,14 @@ def recorded(spec: DatasetSpec, workers: int, path: Path | None) -> list[tuple[n
         return record(spec, workers)
     about = json.dumps(dataclasses.asdict(spec), sort_keys=True)
     if path.is_file():
-        with np.load(path) as saved:
-            if str(saved["spec"]) != about:
-                raise SystemExit(f"--data {path}: recorded for {saved['spec']}, not for this run's {about}")
-            return list(zip(saved["states"], saved["actions"], strict=True))
+        try:
+            with np.load(path) as saved:
+                spec_saved, states, actions = str(saved["spec"]), saved["states"], saved["actions"]
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            raise SystemExit(f"--data {path}: not episodes this script saved ({e})") from None
+        if spec_saved != about:
+            raise SystemExit(f"--data {path}: recorded for {spec_saved}, not for this run's {about}")
+        return list(zip(states, actions, strict=True))
     episodes = record(spec, workers)
     with path.open("wb") as f:
         np.savez(

@@ -198,6 +198,10 @@ def test_recorded_episodes_are_kept_and_reused_only_for_the_same_data(tmp_path, 
     other = DatasetSpec(episodes=2, steps=10, size=dyn.SIZE, seed=5, candidate_share=1.0)
     with pytest.raises(SystemExit, match=r"recorded for .*not for this run's"):
         dyn.recorded(other, 1, path)
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"not an npz")
+    with pytest.raises(SystemExit, match="not episodes this script saved"):
+        dyn.recorded(spec, 1, junk)
 
 
 def test_one_step_errors_of_a_still_block_are_the_true_moves():

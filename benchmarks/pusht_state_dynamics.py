@@ -151,9 +151,11 @@ def train(
     episodes = torch.tensor(np.stack(scenes), dtype=torch.float32, device=device)  # [E, steps + 1, 10]
     taken = torch.tensor(np.stack(actions), dtype=torch.float32, device=device)  # [E, steps, 2]
 
-    x_all, y_all = one_step_samples(SceneModel(1, kind=kind), scenes, actions, device)
     torch.manual_seed(seed)
-    model = SceneModel(width, y_all.std(0).clamp_min(1e-3), kind).to(device)
+    model = SceneModel(width, kind=kind)
+    x_all, y_all = one_step_samples(model, scenes, actions, device)
+    model.scale.copy_(y_all.std(0).clamp_min(1e-3))
+    model.to(device)
     peak, warm = 2e-3, max(1, steps // 20)
     opt = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(seed)  # on the CPU, so a run draws the same batches anywhere

@@ -253,7 +253,11 @@ class SceneModel(nn.Module):
 
     def step(self, before: torch.Tensor, now: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         """The next states [N, columns] (differentiable: training through rollouts calls this)."""
-        change = self.net(self.inputs(before, now, action)) * self.scale
+        return self.after(now, self.net(self.inputs(before, now, action)) * self.scale, action)
+
+    def after(self, now, change, action):
+        """The state a step from `now` under `action` reaches with `change` (in the data's
+        units): `apply` or `velocity_apply`."""
         return apply(now, change) if self.kind == "moves" else velocity_apply(now, change, action)
 
     @torch.no_grad()
@@ -268,8 +272,7 @@ class SceneModel(nn.Module):
             action = actions[:, h].astype(np.float64)
             x = torch.as_tensor(self.inputs(before, now, action), dtype=dtype, device=device)
             change = (self.net(x) * self.scale).double().cpu().numpy()
-            after = apply(now, change) if self.kind == "moves" else velocity_apply(now, change, action)
-            before, now = now, after
+            before, now = now, self.after(now, change, action)
             out[:, h] = now[:, :OUTPUTS]
         return out
 

@@ -152,15 +152,13 @@ def train(
     taken = torch.tensor(np.stack(actions), dtype=torch.float32, device=device)  # [E, steps, 2]
 
     torch.manual_seed(seed)
-    model = SceneModel(width, kind=kind)
+    model = SceneModel(width, kind=kind).to(device)
     x_all, y_all = one_step_samples(model, scenes, actions, device)
     model.scale.copy_(y_all.std(0).clamp_min(1e-3))
-    model.to(device)
     peak, warm = 2e-3, max(1, steps // 20)
     opt = torch.optim.AdamW(model.parameters(), lr=peak, weight_decay=1e-4)
     gen = torch.Generator().manual_seed(seed)  # on the CPU, so a run draws the same batches anywhere
-    # The last TAIL losses, written in place: a list of each step's loss tensor grew by
-    # 0.5-2 MB a step on the CPU (24 GB by step 14,000 at width 512).
+    # The last TAIL losses in place (a list of every step's loss grew 0.5-2 MB a step on a CPU)
     last, finished, started = torch.zeros(TAIL, device=device), 0, time.perf_counter()
     for step in tqdm(range(steps), desc="training the scene model", unit="step", disable=not progress):
         done = max(step / steps, (time.perf_counter() - started) / seconds if seconds else 0.0)

@@ -34,13 +34,16 @@ The block error under the eval's scripted actions does not tell how a model plan
 (`docs/planning.md`). So the model is also judged under actions like the planner's
 (`--judge-candidates`, the report's `candidates`): from each eval seed's task start, 24-step
 candidates drawn as the planner draws them toward the task's goal, the block's error
-against the environment's at 8, 16 and 24 steps. `--candidate-share` records that share of
+against the environment's at 8, 16 and 24 steps, and apart, at 24 steps, for the candidates
+whose true T came within 10 world units of a wall. `--candidate-share` records that share of
 the training episodes with such actions (`proposals.CandidatePolicy`).
 
 `--kind velocities` steps the physics' own state instead of the scene: the agent's and the
 block's velocities are carried, and the agent is stepped exactly as the environment steps
-it (`scene_model.py`). The report's `one_step` is the block's error one step ahead from the
-true state on held-out candidate-like episodes, which
+it (`scene_model.py`); `--kind walls` also sees how near the arena's walls are, which
+every other kind, seeing the step from the block alone, cannot. The report's `one_step` is
+the block's error one step ahead from the true state on held-out candidate-like episodes,
+which
 `benchmarks/pusht_step_determinism.py` measures for the physics itself. `--data FILE` keeps
 the recorded episodes (5-9 minutes of a run on two cores) for the next run with the same
 data options.
@@ -67,7 +70,7 @@ from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
 from streamworld.pusht.planning import make_task
 from streamworld.pusht.proposals import CandidatePolicy, block_middle
-from streamworld.pusht.scene_model import KINDS, SceneModel, draw_scenes, state_row
+from streamworld.pusht.scene_model import KINDS, SceneModel, draw_scenes, state_row, wall_gap
 from streamworld.pusht.world import WORLD_SIZE, PushTWorld, angle_error
 
 HORIZONS = (8, 16, 24, 32)
@@ -77,6 +80,7 @@ BATCH = 1024  # default samples per training step: scenes, or rollout steps
 MAX_ROLLOUT = 32
 JUDGE_SEED = 50_000  # added to an eval seed for the candidates it is judged under
 ONE_STEP_EPISODES, ONE_STEP_SEED = 20, 7  # held out: training data is seed 2 by default
+NEAR_WALL = 10.0  # world units: candidates whose true T came this near a wall are also summed apart
 MOVED = 0.1  # world units: one-step errors are scored where the true block moved this much
 TAIL = 200  # the final loss is the mean over this many last steps
 
@@ -280,46 +284,58 @@ def score_candidates(model: SceneModel, seeds: list[int], per_seed: int) -> dict
     more than a pixel: the block's middle's distance (pixels at 64 px) and angle error."""
     from tqdm import tqdm
 
-    errors, moved = [], []
+    errors, moved, gaps = [], [], []
     for seed in tqdm(seeds, desc="judging under candidates", unit="seed"):
         task = make_task(seed, SIZE)
         world, _ = task.start(SIZE)
         policy = CandidatePolicy(seed + JUDGE_SEED)
         candidates = np.stack([policy.candidate(world.scene, task.goal) for _ in range(per_seed)])
-        seed_errors, seed_moved = candidate_errors(model, world, candidates)
+        found = candidate_errors(model, world, candidates)
         world.close()
-        errors.append(seed_errors)
-        moved.append(seed_moved)
-    return _candidate_summary(np.concatenate(errors), np.concatenate(moved))
+        for kept, part in zip((errors, moved, gaps), found, strict=True):
+            kept.append(part)
+    return _candidate_summary(*(np.concatenate(kept) for kept in (errors, moved, gaps)))
 
 
 def candidate_errors(
     model: SceneModel, world: PushTWorld, candidates: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Errors [K, H, (pixels, degrees)] of the model's block (its middle, its angle) under
     candidates [K, H, 2] rolled out from `world`'s scene at rest, against the environment's
-    from `world` as it is; and whether each true block's middle moved more than a pixel."""
+    from `world` as it is; whether each true block's middle moved more than a pixel; and how
+    near each true block came to a wall (`scene_model.wall_gap`, least over its steps)."""
     px = SIZE / WORLD_SIZE
     start = np.array([scene_row(world.scene)], np.float64)
     predicted = model.roll_out(np.repeat(start, len(candidates), 0), candidates)
     errors, moved = np.empty((*candidates.shape[:2], 2)), np.empty(len(candidates), bool)
+    gaps = np.full(len(candidates), np.inf)
     for k, (actions, guess) in enumerate(zip(candidates, predicted, strict=True)):
         twin = world.replica()
         for h, action in enumerate(actions):
             twin.advance(action)
             true, row = twin.scene.block, guess[h, 2:]
+            gaps[k] = min(gaps[k], wall_gap(true))
             errors[k, h] = (
                 np.linalg.norm(block_middle(true) - block_middle(tuple(row))) * px,
                 angle_error(true[2], float(row[2])),
             )
         moved[k] = np.linalg.norm(block_middle(twin.scene.block) - block_middle(world.scene.block)) * px > 1
         twin.close()
-    return errors, moved
+    return errors, moved, gaps
 
 
-def _candidate_summary(errors: np.ndarray, moved: np.ndarray) -> dict[str, dict]:
+def _candidate_summary(errors: np.ndarray, moved: np.ndarray, gaps: np.ndarray) -> dict[str, dict]:
     """Per horizon of `CANDIDATE_HORIZONS`, `score_candidates`' summary of errors
-    [candidates, horizon, (px, degrees)]."""
+    [candidates, horizon, (px, degrees)]; and at the last, the candidates whose true block
+    came within `NEAR_WALL` of a wall: how many, their mean error and their share of the
+    error."""
+    walled, last = gaps < NEAR_WALL, errors[:, -1, 0]
+    near = {
+        "within_units": NEAR_WALL,
+        "candidates": int(walled.sum()),
+        "block_px_mean": round(float(last[walled].mean()), 3) if walled.any() else None,
+        "share_of_error": round(float(last[walled].sum() / last.sum()), 3) if last.sum() else None,
+    }
     out = {}
     for h in CANDIDATE_HORIZONS:
         at = errors[:, h - 1]
@@ -330,7 +346,7 @@ def _candidate_summary(errors: np.ndarray, moved: np.ndarray) -> dict[str, dict]
             "moved_block_px_mean": round(float(at[moved, 0].mean()), 3) if moved.any() else None,
             "moved_block_deg_median": round(float(np.median(at[moved, 1])), 3) if moved.any() else None,
         }
-    return {"candidates": len(moved), "moved": int(moved.sum()), "horizons": out}
+    return {"candidates": len(moved), "moved": int(moved.sum()), "horizons": out, "near_wall": near}
 
 
 def save(model: SceneModel, path: Path, spec: DatasetSpec, trained: dict) -> dict:
@@ -494,7 +510,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         default="moves",
         help="the state the model steps: the scene, with the agent's and the block's last moves as "
         "inputs (moves, the default), or the physics' state with the agent's and the block's "
-        "velocities, the agent stepped exactly as the environment steps it (velocities)",
+        "velocities, the agent stepped exactly as the environment steps it (velocities), or "
+        "that state with the arena's walls as inputs too (walls)",
     )
     parser.add_argument(
         "--max-grad-norm",

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from streamworld.pusht.data import scene_row
-from streamworld.pusht.pose import draw_scene, estimate_scene
+from streamworld.pusht.pose import block_corners, draw_scene, estimate_scene
 from streamworld.pusht.scene_model import (
     SceneModel,
     SceneModelRollouts,
@@ -25,6 +25,8 @@ from streamworld.pusht.scene_model import (
     velocity_apply,
     velocity_features,
     velocity_targets,
+    wall_features,
+    wall_gap,
 )
 from streamworld.pusht.world import PushTWorld, Scene
 
@@ -197,6 +199,50 @@ def test_a_velocities_models_errors_score_the_block_not_the_agent():
         torch.hypot(errors[:, 3] * 0.5, errors[:, 4] * 0.5).numpy(), np.ones(11), rtol=1e-5
     )
     assert errors[:, :3].abs().max() < 1e-4 and errors[:, 5].abs().max() < 1e-6
+
+
+def test_the_walls_kind_sees_how_near_each_wall_is_from_the_block(tmp_path):
+    # The block's origin 50 units from the left wall's face (at 7) and 100 from the bottom
+    # one's; turned a quarter, its frame's y axis points along the world's -x.
+    now = np.zeros((3, 10))
+    now[:, 0:2] = 200.0
+    now[0, 2:5] = [57.0, 107.0, 0.0]
+    now[1, 2:5] = [57.0, 107.0, np.pi / 2]
+    now[2, 2:5] = [256.0, 256.0, 0.4]  # 248 units from every wall face: beyond its reach
+    near = wall_features(now)
+    np.testing.assert_allclose(near[0, 0:3], [0.75, -0.75, 0.0], atol=1e-12)  # left: toward -x
+    np.testing.assert_allclose(near[1, 0:3], [0.75, 0.0, 0.75], atol=1e-12)  # -x is its +y
+    np.testing.assert_allclose(near[0, 6:9], [0.5, 0.0, -0.5], atol=1e-12)  # bottom: toward -y
+    np.testing.assert_allclose(near[0, [3, 9]], [0.0, 0.0])  # right and top: out of reach
+    np.testing.assert_array_equal(near[2], np.zeros(12))
+    np.testing.assert_allclose(wall_features(torch.tensor(now)).numpy(), near, atol=1e-12)
+    # Its input is the velocities kind's and the walls': away from the walls, only zeros.
+    model = SceneModel(8, torch.tensor([2.0, 1.0, 3.0, 0.5, 0.5, 0.2]), kind="walls").eval()
+    actions = np.full((3, 2), 220.0)
+    x = model.inputs(None, now, actions)
+    np.testing.assert_array_equal(x[:, :11], velocity_features(now, actions))
+    np.testing.assert_array_equal(x[2, 11:], np.zeros(12))
+    # It steps and saves as the velocities kind does.
+    path = tmp_path / "walls.safetensors"
+    model.save(path)
+    loaded = SceneModel.load(path)
+    assert loaded.kind == "walls" and loaded.columns == 10
+    start, plan = now[:, :5], np.full((3, 4, 2), 220.0)
+    np.testing.assert_array_equal(loaded.roll_out(start, plan), model.roll_out(start, plan))
+
+
+def test_the_ts_corners_are_the_environments_and_its_wall_gap_the_nearest_face():
+    world = PushTWorld(64)
+    world.reset(3)
+    world.advance((300.0, 200.0))
+    block = world.env.block
+    vertices = [block.local_to_world(v) for shape in block.shapes for v in shape.get_vertices()]
+    corners = sorted(map(tuple, np.round(block_corners(world.scene.block), 6)))
+    assert corners == sorted((round(v.x, 6), round(v.y, 6)) for v in vertices)
+    world.close()
+    assert wall_gap((67.0, 300.0, 0.0)) == pytest.approx(0.0)  # the bar's left end on the left wall's face
+    assert wall_gap((300.0, 300.0, 0.0)) == pytest.approx(84.0)  # the stem's foot, 84 below the top face
+    assert wall_gap((256.0, 40.0, np.pi)) == pytest.approx(-87.0)  # upside down, the stem through the floor
 
 
 def test_a_saved_model_loads_and_predicts_the_same(tmp_path):

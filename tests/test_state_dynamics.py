@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from streamworld.pusht.data import DatasetSpec, record_episode
-from streamworld.pusht.scene_model import SceneModel, targets
+from streamworld.pusht.scene_model import SceneModel, targets, wall_gap
 from tests.conftest import load_script
 
 dyn = load_script("benchmarks/pusht_state_dynamics.py")
@@ -32,7 +32,7 @@ def test_the_scenes_are_those_train_pusht_records():
     assert kinds == {"CandidatePolicy", "ScriptedPolicy"}
 
 
-@pytest.mark.parametrize("kind", ["moves", "velocities"])
+@pytest.mark.parametrize("kind", ["moves", "velocities", "walls"])
 def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tmp_path, kind):
     args = argparse.Namespace(
         episodes=3,
@@ -66,6 +66,7 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     assert report["one_step"]["steps_scored"] > 0 and report["one_step"]["block_px_mean"] >= 0
     judged = report["candidates"]
     assert judged["candidates"] == 2 * 3 and 0 <= judged["moved"] <= 6
+    assert 0 <= judged["near_wall"]["candidates"] <= 6
     assert set(judged["horizons"]) == {str(h) for h in dyn.CANDIDATE_HORIZONS}
     saved = SceneModel.load(tmp_path / "scene.safetensors")
     assert saved.kind == kind and saved.scale.shape == ((5,) if kind == "moves" else (6,))
@@ -141,26 +142,35 @@ def test_candidates_are_judged_step_by_step_against_the_environment():
     world, _ = task.start(dyn.SIZE)
     policy = CandidatePolicy(9)  # of its 8 candidates, 6 move the block
     candidates = np.stack([policy.candidate(world.scene, task.goal) for _ in range(8)])
-    errors, moved = dyn.candidate_errors(_Replaying(world), world, candidates)
+    errors, moved, gaps = dyn.candidate_errors(_Replaying(world), world, candidates)
     assert errors.shape == (8, 24, 2) and np.all(errors == 0)
-    errors, moved_again = dyn.candidate_errors(_Still(), world, candidates)
+    errors, moved_again, gaps_again = dyn.candidate_errors(_Still(), world, candidates)
     np.testing.assert_array_equal(moved, moved_again)
+    np.testing.assert_array_equal(gaps, gaps_again)
     assert moved.any() and not moved.all()
     start = block_middle(world.scene.block)
     for k, candidate in enumerate(candidates):
-        twin = world.replica()
+        twin, gap = world.replica(), np.inf
         for h, action in enumerate(candidate):
             twin.advance(action)
             shift = np.linalg.norm(block_middle(twin.scene.block) - start) * dyn.SIZE / 512
             assert errors[k, h, 0] == pytest.approx(shift)
-        assert moved[k] == (shift > 1)
+            gap = min(gap, wall_gap(twin.scene.block))
+        assert moved[k] == (shift > 1) and gaps[k] == gap
         twin.close()
-    summary = dyn._candidate_summary(errors, moved)
+    summary = dyn._candidate_summary(errors, moved, gaps)
     assert summary["candidates"] == 8 and summary["moved"] == int(moved.sum())
     assert summary["horizons"]["24"]["block_px_mean"] == pytest.approx(errors[:, 23, 0].mean(), abs=1e-3)
     assert summary["horizons"]["8"]["moved_block_px_mean"] == pytest.approx(
         errors[moved, 7, 0].mean(), abs=1e-3
     )
+    # The candidates whose true T came near a wall, summed apart at the last step.
+    walled = np.array([True, False, True, False, False, False, False, False])
+    near = dyn._candidate_summary(errors, moved, np.where(walled, 3.0, 50.0))["near_wall"]
+    assert near["candidates"] == 2
+    assert near["block_px_mean"] == pytest.approx(errors[walled, 23, 0].mean(), abs=1e-3)
+    share = errors[walled, 23, 0].sum() / errors[:, 23, 0].sum()
+    assert near["share_of_error"] == pytest.approx(share, abs=1e-3)
     world.close()
 
 

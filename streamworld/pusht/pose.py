@@ -62,6 +62,14 @@ def block_distance(block: tuple[float, float, float], points: np.ndarray) -> np.
     return np.minimum(_box_distance(u, v, _BAR), _box_distance(u, v, _STEM))
 
 
+def block_corners(block: tuple[float, float, float]) -> np.ndarray:
+    """[8, 2]: the corners of the T's bar and stem (world units) at pose `block` (x, y, angle)."""
+    x, y, a = block
+    c, s = np.cos(a), np.sin(a)
+    u, v = np.array([(box[i], box[j]) for box in (_BAR, _STEM) for i in (0, 1) for j in (2, 3)]).T
+    return np.stack([x + c * u - s * v, y + s * u + c * v], 1)  # body to world: p + R(a) (u, v)
+
+
 def draw_block(poses: np.ndarray, xs: np.ndarray, ys: np.ndarray, unit: float) -> np.ndarray:
     """[N, *xs.shape]: how much of each pixel (centres xs, ys in world units, `unit` world
     units a pixel) the T covers at each pose (x, y, angle) of `poses` [N, 3]."""

@@ -9,7 +9,7 @@ trains it, one step ahead or through rollouts, and writes it with `--save`;
 starting each plan from the scene `pose.estimate_scene` reads off the observed frame, at
 rest, as the world model starts each plan from that frame alone.
 
-Two kinds of model (`KINDS`), both seeing each step in the block's own frame (so a push
+Three kinds of model (`KINDS`), all seeing each step in the block's own frame (so a push
 looks the same wherever the block is):
 
 - `moves` (the first kind): the state is the scene [N, 5]; a step's input is the agent's
@@ -23,6 +23,9 @@ looks the same wherever the block is):
   (`velocity_features`, `velocity_targets`, `velocity_apply`). Given that state, a step's
   outcome is nearly determined (docs/pusht.md); given the scene and its last move alone,
   it is not.
+- `walls`: the `velocities` kind that also sees how near the arena's four walls are
+  (`wall_features`). Seen from the block alone, a push into a wall looks like a push in
+  the open, and most of the other kinds' error under the planner's candidates is there.
 
 The scene functions take NumPy arrays and tensors alike.
 """
@@ -38,13 +41,18 @@ import torch
 from torch import nn
 
 from .data import scene_row
-from .pose import draw_scene, estimate_scene, process_world
+from .pose import block_corners, draw_scene, estimate_scene, process_world
 from .world import WORLD_SIZE, PushTWorld, Scene
 
 INPUTS, OUTPUTS = 8, 5  # the `moves` kind's; also a scene's columns
-KINDS = ("moves", "velocities")
-STATE_COLUMNS = {"moves": 5, "velocities": 10}
+KINDS = ("moves", "velocities", "walls")
+STATE_COLUMNS = {"moves": 5, "velocities": 10, "walls": 10}
 VELOCITY_INPUTS, VELOCITY_OUTPUTS = 11, 6
+WALL_INPUTS = 12
+# The arena's walls: gym-pusht's segments at 5 and 506 world units, 2 units thick, so the
+# block meets their faces at 7 and 504. A wall further than WALL_REACH from the block's
+# origin cannot touch the T within a step (its farthest point is 125 units from the origin).
+WALL_FACES, WALL_REACH = (7.0, 504.0), 200.0
 # gym-pusht's control: each 0.1-s step is 10 substeps of 0.01 s, in each of which the PD
 # control sets the agent's velocity and the physics moves it (a test holds these to it).
 K_P, K_V, SUBSTEPS, DT = 100.0, 20.0, 10, 0.01
@@ -166,6 +174,31 @@ def velocity_features(now, action):
     return xp.stack([*columns, bvx / 1000, bvy / 1000, now[:, 9] / 10], 1)
 
 
+def wall_features(now):
+    """[N, 12]: the `walls` kind's extra input, how near each of the arena's four walls is,
+    in the block's frame: per wall, its closeness (1 at the block's origin, 0 at
+    `WALL_REACH` and beyond) and that closeness times the direction toward the wall. A block
+    far from every wall sees zeros, so away from the walls a push still looks the same
+    wherever the block is."""
+    xp = _xp(now)
+    bx, by, ba = now[:, 2], now[:, 3], now[:, 4]
+    low, high = WALL_FACES
+    columns = []
+    walls = ((bx - low, -1.0, 0.0), (high - bx, 1.0, 0.0), (by - low, 0.0, -1.0), (high - by, 0.0, 1.0))
+    for gap, dx, dy in walls:  # the gap to each wall's face and the direction toward it
+        near = (1 - gap / WALL_REACH).clip(0.0, 1.0)
+        nx, ny = _rotate(dx, dy, ba)
+        columns += [near, near * nx, near * ny]
+    return xp.stack(columns, 1)
+
+
+def wall_gap(block: tuple[float, float, float]) -> float:
+    """How far (world units) the T at pose `block` (x, y, angle) is from the nearest wall's
+    face: negative where it presses into one."""
+    corners, (low, high) = block_corners(block), WALL_FACES
+    return float(min(corners.min() - low, high - corners.max()))
+
+
 def velocity_targets(now, after):
     """[N, 6]: one step's change of the block's pose (`targets`' first three) and the
     block's velocity (/ 100, in `now`'s block frame) and spin after it."""
@@ -205,7 +238,11 @@ class SceneModel(nn.Module):
         if kind not in KINDS:
             raise ValueError(f"unknown scene model kind {kind!r}, expected one of {KINDS}")
         self.width, self.kind = width, kind
-        inputs, outputs = (INPUTS, OUTPUTS) if kind == "moves" else (VELOCITY_INPUTS, VELOCITY_OUTPUTS)
+        inputs, outputs = {
+            "moves": (INPUTS, OUTPUTS),
+            "velocities": (VELOCITY_INPUTS, VELOCITY_OUTPUTS),
+            "walls": (VELOCITY_INPUTS + WALL_INPUTS, VELOCITY_OUTPUTS),
+        }[kind]
         self.net = nn.Sequential(
             nn.Linear(inputs, width),
             nn.SiLU(),
@@ -230,7 +267,11 @@ class SceneModel(nn.Module):
     def inputs(self, before, now, action):
         """The network's input for a step from `now` (after `before`, which only the `moves`
         kind reads) under `action`."""
-        return features(before, now, action) if self.kind == "moves" else velocity_features(now, action)
+        if self.kind == "moves":
+            return features(before, now, action)
+        if self.kind == "velocities":
+            return velocity_features(now, action)
+        return _xp(now).concatenate([velocity_features(now, action), wall_features(now)], 1)
 
     def changes(self, now, after):
         """The network's target for the step from `now` to `after` (in the data's units,

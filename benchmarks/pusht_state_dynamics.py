@@ -35,8 +35,11 @@ The block error under the eval's scripted actions does not tell how a model plan
 (`--judge-candidates`, the report's `candidates`): from each eval seed's task start, 24-step
 candidates drawn as the planner draws them toward the task's goal, the block's error
 against the environment's at 8, 16 and 24 steps, and apart, at 24 steps, for the candidates
-whose true T came within 10 world units of a wall. `--candidate-share` records that share of
-the training episodes with such actions (`proposals.CandidatePolicy`).
+whose true T came within 10 world units of a wall and for those whose true end lies within
+twice the success test's tolerances of the goal, where plans are decided (with how often
+the model's end passes the success test exactly when the true one does).
+`--candidate-share` records that share of the training episodes with such actions
+(`proposals.CandidatePolicy`).
 
 `--kind velocities` steps the physics' own state instead of the scene: the agent's and the
 block's velocities are carried, and the agent is stepped exactly as the environment steps
@@ -68,10 +71,10 @@ import torch
 
 from streamworld.pusht.data import PUSH_SHARE, DatasetSpec, scene_row
 from streamworld.pusht.evaluate import block_scores, block_summary, parse_seeds, record_eval_episode
-from streamworld.pusht.planning import make_task
+from streamworld.pusht.planning import ANGLE_TOLERANCE, POSITION_TOLERANCE, make_task, reached, state_error
 from streamworld.pusht.proposals import CandidatePolicy, block_middle
 from streamworld.pusht.scene_model import KINDS, SceneModel, draw_scenes, state_row, wall_gap
-from streamworld.pusht.world import WORLD_SIZE, PushTWorld, angle_error
+from streamworld.pusht.world import WORLD_SIZE, PushTWorld, Scene, angle_error
 
 HORIZONS = (8, 16, 24, 32)
 CANDIDATE_HORIZONS = (8, 16, 24)  # a plan's candidates cover 24 steps
@@ -81,6 +84,9 @@ MAX_ROLLOUT = 32
 JUDGE_SEED = 50_000  # added to an eval seed for the candidates it is judged under
 ONE_STEP_EPISODES, ONE_STEP_SEED = 20, 7  # held out: training data is seed 2 by default
 NEAR_WALL = 10.0  # world units: candidates whose true T came this near a wall are also summed apart
+# Candidates whose true end is within twice the success test's tolerances of the goal
+# (world units over agent and block, degrees) are summed apart too: where plans are decided.
+NEAR_GOAL = (2 * POSITION_TOLERANCE, 2 * math.degrees(ANGLE_TOLERANCE))
 MOVED = 0.1  # world units: one-step errors are scored where the true block moved this much
 TAIL = 200  # the final loss is the mean over this many last steps
 
@@ -281,61 +287,73 @@ def score_candidates(model: SceneModel, seeds: list[int], per_seed: int) -> dict
     (`planning.make_task`), `per_seed` candidates of `CandidatePolicy` toward the task's
     goal, rolled out by the model (from the true scene, at rest) and by the environment
     (`candidate_errors`). Per horizon, over all candidates and over those whose true block moved
-    more than a pixel: the block's middle's distance (pixels at 64 px) and angle error."""
+    more than a pixel: the block's middle's distance (pixels at 64 px) and angle error; and
+    apart, the candidates near a wall and those ending near the goal (`_candidate_summary`)."""
     from tqdm import tqdm
 
-    errors, moved, gaps = [], [], []
+    errors, facts = [], []
     for seed in tqdm(seeds, desc="judging under candidates", unit="seed"):
         task = make_task(seed, SIZE)
         world, _ = task.start(SIZE)
         policy = CandidatePolicy(seed + JUDGE_SEED)
         candidates = np.stack([policy.candidate(world.scene, task.goal) for _ in range(per_seed)])
-        found = candidate_errors(model, world, candidates)
+        seed_errors, seed_facts = candidate_errors(model, world, candidates, task.goal)
         world.close()
-        for kept, part in zip((errors, moved, gaps), found, strict=True):
-            kept.append(part)
-    return _candidate_summary(*(np.concatenate(kept) for kept in (errors, moved, gaps)))
+        errors.append(seed_errors)
+        facts.append(seed_facts)
+    return _candidate_summary(
+        np.concatenate(errors), {k: np.concatenate([f[k] for f in facts]) for k in facts[0]}
+    )
 
 
 def candidate_errors(
-    model: SceneModel, world: PushTWorld, candidates: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    model: SceneModel, world: PushTWorld, candidates: np.ndarray, goal: Scene | None = None
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Errors [K, H, (pixels, degrees)] of the model's block (its middle, its angle) under
     candidates [K, H, 2] rolled out from `world`'s scene at rest, against the environment's
-    from `world` as it is; whether each true block's middle moved more than a pixel; and how
-    near each true block came to a wall (`scene_model.wall_gap`, least over its steps)."""
+    from `world` as it is; and per candidate: whether the true block's middle moved more
+    than a pixel (`moved`) and how near it came to a wall (`wall_gap`, `scene_model.wall_gap`,
+    least over its steps). With `goal`, also how far the true end is from it
+    (`goal_units`, `goal_degrees`: `planning.state_error`) and whether the true and the
+    predicted ends pass the success test (`reached`, `predicted_reached`)."""
     px = SIZE / WORLD_SIZE
     start = np.array([scene_row(world.scene)], np.float64)
     predicted = model.roll_out(np.repeat(start, len(candidates), 0), candidates)
-    errors, moved = np.empty((*candidates.shape[:2], 2)), np.empty(len(candidates), bool)
-    gaps = np.full(len(candidates), np.inf)
+    errors, k_all = np.empty((*candidates.shape[:2], 2)), len(candidates)
+    facts = {"moved": np.empty(k_all, bool), "wall_gap": np.full(k_all, np.inf)}
+    if goal is not None:
+        facts |= {"goal_units": np.empty(k_all), "goal_degrees": np.empty(k_all)}
+        facts |= {"reached": np.empty(k_all, bool), "predicted_reached": np.empty(k_all, bool)}
     for k, (actions, guess) in enumerate(zip(candidates, predicted, strict=True)):
         twin = world.replica()
         for h, action in enumerate(actions):
             twin.advance(action)
             true, row = twin.scene.block, guess[h, 2:]
-            gaps[k] = min(gaps[k], wall_gap(true))
+            facts["wall_gap"][k] = min(facts["wall_gap"][k], wall_gap(true))
             errors[k, h] = (
                 np.linalg.norm(block_middle(true) - block_middle(tuple(row))) * px,
                 angle_error(true[2], float(row[2])),
             )
-        moved[k] = np.linalg.norm(block_middle(twin.scene.block) - block_middle(world.scene.block)) * px > 1
+        end = twin.scene
+        facts["moved"][k] = np.linalg.norm(block_middle(end.block) - block_middle(world.scene.block)) * px > 1
+        if goal is not None:
+            facts["goal_units"][k], facts["goal_degrees"][k] = state_error(end, goal)
+            facts["reached"][k] = reached(end, goal)
+            guessed = Scene(tuple(guess[-1, :2]), tuple(guess[-1, 2:5]))
+            facts["predicted_reached"][k] = reached(guessed, goal)
         twin.close()
-    return errors, moved, gaps
+    return errors, facts
 
 
-def _candidate_summary(errors: np.ndarray, moved: np.ndarray, gaps: np.ndarray) -> dict[str, dict]:
+def _candidate_summary(errors: np.ndarray, facts: dict[str, np.ndarray]) -> dict[str, dict]:
     """Per horizon of `CANDIDATE_HORIZONS`, `score_candidates`' summary of errors
-    [candidates, horizon, (px, degrees)]; and at the last, the candidates whose true block
-    came within `NEAR_WALL` of a wall: how many, their mean error and their share of the
-    error."""
-    walled, last = gaps < NEAR_WALL, errors[:, -1, 0]
-    near = {
-        "within_units": NEAR_WALL,
-        "candidates": int(walled.sum()),
-        "block_px_mean": round(float(last[walled].mean()), 3) if walled.any() else None,
-        "share_of_error": round(float(last[walled].sum() / last.sum()), 3) if last.sum() else None,
-    }
+    [candidates, horizon, (px, degrees)] and their `candidate_errors` facts; and at the
+    last step, apart: the candidates whose true T came within `NEAR_WALL` of a wall (how
+    many, their mean error and their share of the error), and, where the facts have the
+    goal, those whose true end lies within twice the success test's tolerances of it
+    (`NEAR_GOAL`): how many, their mean error, how many truly reach the goal, and the share
+    of them whose predicted end passes the success test exactly when the true one does."""
+    moved, last = facts["moved"], errors[:, -1, 0]
     out = {}
     for h in CANDIDATE_HORIZONS:
         at = errors[:, h - 1]
@@ -346,7 +364,26 @@ def _candidate_summary(errors: np.ndarray, moved: np.ndarray, gaps: np.ndarray) 
             "moved_block_px_mean": round(float(at[moved, 0].mean()), 3) if moved.any() else None,
             "moved_block_deg_median": round(float(np.median(at[moved, 1])), 3) if moved.any() else None,
         }
-    return {"candidates": len(moved), "moved": int(moved.sum()), "horizons": out, "near_wall": near}
+    walled = facts["wall_gap"] < NEAR_WALL
+    summary = {"candidates": len(moved), "moved": int(moved.sum()), "horizons": out}
+    summary["near_wall"] = {
+        "within_units": NEAR_WALL,
+        "candidates": int(walled.sum()),
+        "block_px_mean": round(float(last[walled].mean()), 3) if walled.any() else None,
+        "share_of_error": round(float(last[walled].sum() / last.sum()), 3) if last.sum() else None,
+    }
+    if "reached" in facts:
+        units, degrees = NEAR_GOAL
+        near = (facts["goal_units"] < units) & (facts["goal_degrees"] < degrees)
+        agree = facts["reached"][near] == facts["predicted_reached"][near]
+        summary["near_goal"] = {
+            "within_units_degrees": [units, degrees],
+            "candidates": int(near.sum()),
+            "reached": int(facts["reached"].sum()),
+            "block_px_mean": round(float(last[near].mean()), 3) if near.any() else None,
+            "success_test_agrees": round(float(agree.mean()), 3) if near.any() else None,
+        }
+    return summary
 
 
 def save(model: SceneModel, path: Path, spec: DatasetSpec, trained: dict) -> dict:

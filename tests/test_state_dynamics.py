@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from streamworld.pusht.data import DatasetSpec, record_episode
+from streamworld.pusht.data import DatasetSpec, record_episode, scene_row
 from streamworld.pusht.scene_model import SceneModel, targets, wall_gap
+from streamworld.pusht.world import Scene
 from tests.conftest import load_script
 
 dyn = load_script("benchmarks/pusht_state_dynamics.py")
@@ -66,7 +67,7 @@ def test_a_tiny_run_through_rollouts_reports_each_horizon_and_saves_the_model(tm
     assert report["one_step"]["steps_scored"] > 0 and report["one_step"]["block_px_mean"] >= 0
     judged = report["candidates"]
     assert judged["candidates"] == 2 * 3 and 0 <= judged["moved"] <= 6
-    assert 0 <= judged["near_wall"]["candidates"] <= 6
+    assert 0 <= judged["near_wall"]["candidates"] <= 6 and 0 <= judged["near_goal"]["candidates"] <= 6
     assert set(judged["horizons"]) == {str(h) for h in dyn.CANDIDATE_HORIZONS}
     saved = SceneModel.load(tmp_path / "scene.safetensors")
     assert saved.kind == kind and saved.scale.shape == ((5,) if kind == "moves" else (6,))
@@ -135,18 +136,21 @@ class _Still:
 
 
 def test_candidates_are_judged_step_by_step_against_the_environment():
-    from streamworld.pusht.planning import make_task
+    from streamworld.pusht.planning import make_task, reached, state_error
     from streamworld.pusht.proposals import CandidatePolicy, block_middle
 
     task = make_task(4, dyn.SIZE)
     world, _ = task.start(dyn.SIZE)
     policy = CandidatePolicy(9)  # of its 8 candidates, 6 move the block
     candidates = np.stack([policy.candidate(world.scene, task.goal) for _ in range(8)])
-    errors, moved, gaps = dyn.candidate_errors(_Replaying(world), world, candidates)
+    errors, facts = dyn.candidate_errors(_Replaying(world), world, candidates, task.goal)
     assert errors.shape == (8, 24, 2) and np.all(errors == 0)
-    errors, moved_again, gaps_again = dyn.candidate_errors(_Still(), world, candidates)
-    np.testing.assert_array_equal(moved, moved_again)
-    np.testing.assert_array_equal(gaps, gaps_again)
+    # A model that is the environment predicts the success test's outcome exactly.
+    np.testing.assert_array_equal(facts["predicted_reached"], facts["reached"])
+    errors, still = dyn.candidate_errors(_Still(), world, candidates, task.goal)
+    for key in ("moved", "wall_gap", "goal_units", "goal_degrees", "reached"):
+        np.testing.assert_array_equal(facts[key], still[key])
+    moved = facts["moved"]
     assert moved.any() and not moved.all()
     start = block_middle(world.scene.block)
     for k, candidate in enumerate(candidates):
@@ -156,21 +160,40 @@ def test_candidates_are_judged_step_by_step_against_the_environment():
             shift = np.linalg.norm(block_middle(twin.scene.block) - start) * dyn.SIZE / 512
             assert errors[k, h, 0] == pytest.approx(shift)
             gap = min(gap, wall_gap(twin.scene.block))
-        assert moved[k] == (shift > 1) and gaps[k] == gap
+        assert moved[k] == (shift > 1) and facts["wall_gap"][k] == gap
+        assert (facts["goal_units"][k], facts["goal_degrees"][k]) == state_error(twin.scene, task.goal)
+        assert facts["reached"][k] == reached(twin.scene, task.goal)
+        # The still model's end is the start with the agent moved: tested as the true one is.
+        end = _Still().roll_out(np.array([scene_row(world.scene)]), candidate[None])[0, -1]
+        assert still["predicted_reached"][k] == reached(Scene(tuple(end[:2]), tuple(end[2:])), task.goal)
         twin.close()
-    summary = dyn._candidate_summary(errors, moved, gaps)
+    summary = dyn._candidate_summary(errors, still)
     assert summary["candidates"] == 8 and summary["moved"] == int(moved.sum())
     assert summary["horizons"]["24"]["block_px_mean"] == pytest.approx(errors[:, 23, 0].mean(), abs=1e-3)
     assert summary["horizons"]["8"]["moved_block_px_mean"] == pytest.approx(
         errors[moved, 7, 0].mean(), abs=1e-3
     )
-    # The candidates whose true T came near a wall, summed apart at the last step.
+    # The candidates whose true T came near a wall, and those ending near the goal, apart.
     walled = np.array([True, False, True, False, False, False, False, False])
-    near = dyn._candidate_summary(errors, moved, np.where(walled, 3.0, 50.0))["near_wall"]
+    near_goal = np.array([False, True, True, False, False, False, True, False])
+    crafted = {
+        **still,
+        "wall_gap": np.where(walled, 3.0, 50.0),
+        "goal_units": np.where(near_goal, 30.0, 100.0),
+        "goal_degrees": np.where(near_goal, 10.0, 5.0),
+        "reached": np.array([False, True, False, False, False, False, True, False]),
+        "predicted_reached": np.array([False, True, True, False, False, False, False, True]),
+    }
+    summary = dyn._candidate_summary(errors, crafted)
+    near = summary["near_wall"]
     assert near["candidates"] == 2
     assert near["block_px_mean"] == pytest.approx(errors[walled, 23, 0].mean(), abs=1e-3)
     share = errors[walled, 23, 0].sum() / errors[:, 23, 0].sum()
     assert near["share_of_error"] == pytest.approx(share, abs=1e-3)
+    goal = summary["near_goal"]
+    assert goal["candidates"] == 3 and goal["reached"] == 2
+    assert goal["block_px_mean"] == pytest.approx(errors[near_goal, 23, 0].mean(), abs=1e-3)
+    assert goal["success_test_agrees"] == pytest.approx(1 / 3, abs=1e-3)  # of 1, 2, 6: only 1
     world.close()
 
 

@@ -163,7 +163,7 @@ def test_candidates_are_judged_step_by_step_against_the_environment():
         assert moved[k] == (shift > 1) and facts["wall_gap"][k] == gap
         assert (facts["goal_units"][k], facts["goal_degrees"][k]) == state_error(twin.scene, task.goal)
         assert facts["reached"][k] == reached(twin.scene, task.goal)
-        # The still model's end is the start with the agent moved: tested as the true one is.
+        # The still model's end is the start itself, put to the success test as the true end is.
         end = _Still().roll_out(np.array([scene_row(world.scene)]), candidate[None])[0, -1]
         assert still["predicted_reached"][k] == reached(Scene(tuple(end[:2]), tuple(end[2:])), task.goal)
         twin.close()
@@ -173,18 +173,22 @@ def test_candidates_are_judged_step_by_step_against_the_environment():
     assert summary["horizons"]["8"]["moved_block_px_mean"] == pytest.approx(
         errors[moved, 7, 0].mean(), abs=1e-3
     )
-    # The candidates whose true T came near a wall, and those ending near the goal, apart.
+    world.close()
+
+
+def test_the_candidate_summary_sums_candidates_near_a_wall_and_near_the_goal_apart():
+    errors = np.random.default_rng(0).uniform(0, 5, (8, 24, 2))
     walled = np.array([True, False, True, False, False, False, False, False])
     near_goal = np.array([False, True, True, False, False, False, True, False])
-    crafted = {
-        **still,
+    facts = {
+        "moved": np.ones(8, bool),
         "wall_gap": np.where(walled, 3.0, 50.0),
         "goal_units": np.where(near_goal, 30.0, 100.0),
         "goal_degrees": np.where(near_goal, 10.0, 5.0),
         "reached": np.array([False, True, False, False, False, False, True, False]),
         "predicted_reached": np.array([False, True, True, False, False, False, False, True]),
     }
-    summary = dyn._candidate_summary(errors, crafted)
+    summary = dyn._candidate_summary(errors, facts)
     near = summary["near_wall"]
     assert near["candidates"] == 2
     assert near["block_px_mean"] == pytest.approx(errors[walled, 23, 0].mean(), abs=1e-3)
@@ -194,7 +198,10 @@ def test_candidates_are_judged_step_by_step_against_the_environment():
     assert goal["candidates"] == 3 and goal["reached"] == 2
     assert goal["block_px_mean"] == pytest.approx(errors[near_goal, 23, 0].mean(), abs=1e-3)
     assert goal["success_test_agrees"] == pytest.approx(1 / 3, abs=1e-3)  # of 1, 2, 6: only 1
-    world.close()
+    # Judged without a goal, there is no near-goal summary.
+    assert "near_goal" not in dyn._candidate_summary(
+        errors, {"moved": facts["moved"], "wall_gap": facts["wall_gap"]}
+    )
 
 
 def test_a_loss_that_stops_being_finite_ends_training_with_an_error(monkeypatch, capsys):

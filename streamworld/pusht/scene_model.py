@@ -51,7 +51,8 @@ VELOCITY_INPUTS, VELOCITY_OUTPUTS = 11, 6
 WALL_INPUTS = 12
 # The arena's walls: gym-pusht's segments at 5 and 506 world units, 2 units thick, so the
 # block meets their faces at 7 and 504. A wall further than WALL_REACH from the block's
-# origin cannot touch the T within a step (its farthest point is 125 units from the origin).
+# origin cannot touch the T within a step: its farthest point is 121 units from the origin,
+# and a step moves the block less than 60 (`pose.MAX_STEP`).
 WALL_FACES, WALL_REACH = (7.0, 504.0), 200.0
 # gym-pusht's control: each 0.1-s step is 10 substeps of 0.01 s, in each of which the PD
 # control sets the agent's velocity and the physics moves it (a test holds these to it).
@@ -176,8 +177,8 @@ def velocity_features(now, action):
 
 def wall_features(now):
     """[N, 12]: the `walls` kind's extra input, how near each of the arena's four walls is,
-    in the block's frame: per wall, its closeness (1 at the block's origin, 0 at
-    `WALL_REACH` and beyond) and that closeness times the direction toward the wall. A block
+    in the block's frame: per wall, its closeness (1 with its face at the block's origin,
+    0 at `WALL_REACH` and beyond) and that closeness times the direction toward it. A block
     far from every wall sees zeros, so away from the walls a push still looks the same
     wherever the block is."""
     xp = _xp(now)

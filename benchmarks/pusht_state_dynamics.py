@@ -307,23 +307,22 @@ def score_candidates(model: SceneModel, seeds: list[int], per_seed: int) -> dict
 
 
 def candidate_errors(
-    model: SceneModel, world: PushTWorld, candidates: np.ndarray, goal: Scene | None = None
+    model: SceneModel, world: PushTWorld, candidates: np.ndarray, goal: Scene
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Errors [K, H, (pixels, degrees)] of the model's block (its middle, its angle) under
     candidates [K, H, 2] rolled out from `world`'s scene at rest, against the environment's
     from `world` as it is; and per candidate: whether the true block's middle moved more
     than a pixel (`moved`) and how near it came to a wall (`wall_gap`, `scene_model.wall_gap`,
-    least over its steps). With `goal`, also how far the true end is from it
-    (`goal_units`, `goal_degrees`: `planning.state_error`) and whether the true and the
-    predicted ends pass the success test (`reached`, `predicted_reached`)."""
+    least over its steps), how far the true end is from `goal` (`goal_units`,
+    `goal_degrees`: `planning.state_error`), and whether the true and the predicted ends pass
+    the success test (`reached`, `predicted_reached`)."""
     px = SIZE / WORLD_SIZE
     start = np.array([scene_row(world.scene)], np.float64)
     predicted = model.roll_out(np.repeat(start, len(candidates), 0), candidates)
     errors, k_all = np.empty((*candidates.shape[:2], 2)), len(candidates)
     facts = {"moved": np.empty(k_all, bool), "wall_gap": np.full(k_all, np.inf)}
-    if goal is not None:
-        facts |= {"goal_units": np.empty(k_all), "goal_degrees": np.empty(k_all)}
-        facts |= {"reached": np.empty(k_all, bool), "predicted_reached": np.empty(k_all, bool)}
+    facts |= {"goal_units": np.empty(k_all), "goal_degrees": np.empty(k_all)}
+    facts |= {"reached": np.empty(k_all, bool), "predicted_reached": np.empty(k_all, bool)}
     for k, (actions, guess) in enumerate(zip(candidates, predicted, strict=True)):
         twin = world.replica()
         for h, action in enumerate(actions):
@@ -336,11 +335,10 @@ def candidate_errors(
             )
         end = twin.scene
         facts["moved"][k] = np.linalg.norm(block_middle(end.block) - block_middle(world.scene.block)) * px > 1
-        if goal is not None:
-            facts["goal_units"][k], facts["goal_degrees"][k] = state_error(end, goal)
-            facts["reached"][k] = reached(end, goal)
-            guessed = Scene(tuple(guess[-1, :2]), tuple(guess[-1, 2:5]))
-            facts["predicted_reached"][k] = reached(guessed, goal)
+        facts["goal_units"][k], facts["goal_degrees"][k] = state_error(end, goal)
+        facts["reached"][k] = reached(end, goal)
+        guessed = Scene(tuple(guess[-1, :2]), tuple(guess[-1, 2:5]))
+        facts["predicted_reached"][k] = reached(guessed, goal)
         twin.close()
     return errors, facts
 
@@ -349,8 +347,8 @@ def _candidate_summary(errors: np.ndarray, facts: dict[str, np.ndarray]) -> dict
     """Per horizon of `CANDIDATE_HORIZONS`, `score_candidates`' summary of errors
     [candidates, horizon, (px, degrees)] and their `candidate_errors` facts; and at the
     last step, apart: the candidates whose true T came within `NEAR_WALL` of a wall (how
-    many, their mean error and their share of the error), and, where the facts have the
-    goal, those whose true end lies within twice the success test's tolerances of it
+    many, their mean error and their share of the error), and those whose true end lies
+    within twice the success test's tolerances of the goal
     (`NEAR_GOAL`): how many, their mean error, how many truly reach the goal, and the share
     of them whose predicted end passes the success test exactly when the true one does."""
     moved, last = facts["moved"], errors[:, -1, 0]
@@ -372,17 +370,16 @@ def _candidate_summary(errors: np.ndarray, facts: dict[str, np.ndarray]) -> dict
         "block_px_mean": round(float(last[walled].mean()), 3) if walled.any() else None,
         "share_of_error": round(float(last[walled].sum() / last.sum()), 3) if last.sum() else None,
     }
-    if "reached" in facts:
-        units, degrees = NEAR_GOAL
-        near = (facts["goal_units"] < units) & (facts["goal_degrees"] < degrees)
-        agree = facts["reached"][near] == facts["predicted_reached"][near]
-        summary["near_goal"] = {
-            "within_units_degrees": [units, degrees],
-            "candidates": int(near.sum()),
-            "reached": int(facts["reached"].sum()),
-            "block_px_mean": round(float(last[near].mean()), 3) if near.any() else None,
-            "success_test_agrees": round(float(agree.mean()), 3) if near.any() else None,
-        }
+    units, degrees = NEAR_GOAL
+    near = (facts["goal_units"] < units) & (facts["goal_degrees"] < degrees)
+    agree = facts["reached"][near] == facts["predicted_reached"][near]
+    summary["near_goal"] = {
+        "within_units_degrees": [units, degrees],
+        "candidates": int(near.sum()),
+        "reached": int(facts["reached"].sum()),
+        "block_px_mean": round(float(last[near].mean()), 3) if near.any() else None,
+        "success_test_agrees": round(float(agree.mean()), 3) if near.any() else None,
+    }
     return summary
 
 

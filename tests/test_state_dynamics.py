@@ -198,10 +198,6 @@ def test_the_candidate_summary_sums_candidates_near_a_wall_and_near_the_goal_apa
     assert goal["candidates"] == 3 and goal["reached"] == 2
     assert goal["block_px_mean"] == pytest.approx(errors[near_goal, 23, 0].mean(), abs=1e-3)
     assert goal["success_test_agrees"] == pytest.approx(1 / 3, abs=1e-3)  # of 1, 2, 6: only 1
-    # Judged without a goal, there is no near-goal summary.
-    assert "near_goal" not in dyn._candidate_summary(
-        errors, {"moved": facts["moved"], "wall_gap": facts["wall_gap"]}
-    )
 
 
 def test_a_loss_that_stops_being_finite_ends_training_with_an_error(monkeypatch, capsys):

@@ -140,6 +140,7 @@ async def run(args: argparse.Namespace) -> int:
         replan_error=args.replan_error,
         shape_weight=args.shape_weight,
         warm_start=args.warm_start,
+        cost=args.cost,
     )
     position, angle = result.final_error
     outcome = "reached" if result.success else "not reached"

@@ -18,6 +18,7 @@ from streamworld.models.world_model import WorldModel
 from streamworld.planning import CEMConfig, cem, rate_limited
 from streamworld.pusht.planning import (
     EpisodeResult,
+    PoseCost,
     Task,
     _execute,
     frame_cost,
@@ -408,6 +409,7 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
     assert report["complete"] is True and [e["seed"] for e in report["episodes"]] == [0, 1]
     assert all(e["plans"] == 1 and e["branches"] == 2 for e in report["episodes"] if not e["success"])
     assert report["summary"]["episodes"] == 2 and report["execute"] == 4 and report["cost_frames"] == "last"
+    assert report["cost"] == "frame" and report["cost_device"] == "host"
     assert f"| 2 | {report['summary']['success_rate']:.0%} |" in capsys.readouterr().out
     assert report["kv_mode"] == "final" and report["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
     assert report["weights"] == "shipped" and report["prediction"] == "x0"
@@ -430,13 +432,15 @@ def test_eval_plan_cli_writes_each_episode_as_it_ends(tmp_path, capsys):
                 "best",
                 "--max-speed",
                 "30",
+                "--cost",
+                "pose",
             ]
         )
         == 0
     )
     report = json.loads(out.read_text())
     assert report["kv_mode"] == "clean" and report["timesteps"] == [1000.0] and report["complete"]
-    assert report["cost_frames"] == "best" and report["cem"]["max_speed"] == 30.0
+    assert report["cost_frames"] == "best" and report["cem"]["max_speed"] == 30.0 and report["cost"] == "pose"
     assert main(["eval", "pusht", "--plan", *args, "--max-speed", "-1"]) == 2
     assert "max_speed" in capsys.readouterr().err
 
@@ -598,6 +602,100 @@ async def test_simulator_rollouts_are_the_true_futures_and_plan_an_easy_goal():
         lambda frame, world: SimulatorRollouts(world), task, config, 64, budget=24, execute=8
     )
     assert result.success, result.to_json()
+
+
+def _pose_cost_task():
+    """Task 3 (its block pushed on the way), its goal cost, and the goal pose read [5]."""
+    task = make_task(3, 64)
+    cost = PoseCost(task.goal_frame)
+    return task, cost, cost.goal.copy()
+
+
+def test_the_pose_cost_reads_the_goal_off_its_frame_and_scores_the_success_tests_terms():
+    """The goal's pose is read off the goal frame (within 3 world units and 2 degrees of the
+    true one); a pose 20 units or 20 degrees from it costs 1, one both 1.5, the goal itself 0;
+    a pose passes the success test exactly where it costs below 1; `best`
+    scores the nearest step, `last` the last; a frame is read as its pose is, and a frame
+    with nothing to read costs `UNSEEN`."""
+    from streamworld.pusht.data import scene_row
+    from streamworld.pusht.pose import estimate_scene
+
+    task, cost, goal = _pose_cost_task()
+    true = np.array(scene_row(task.goal))
+    assert np.abs(goal[:4] - true[:4]).max() < 3 and abs(goal[4] - true[4]) < math.radians(2)
+    poses = np.repeat(goal[None, None], 5, 0).repeat(2, 1)  # [5 candidates, 2 steps, 5]
+    poses[1, -1, 0] += 20.0  # the agent 20 units off
+    poses[2, -1, 4] += math.pi / 9  # the block turned 20 degrees
+    poses[3, -1, 4] += 2 * math.pi  # a whole turn: the same angle
+    poses[4, -1, 2:] += [18.0, 24.0, math.pi / 18]  # the block 30 units off, turned 10 degrees
+    np.testing.assert_allclose(cost.many(poses), [0, 1, 1, 0, 1.5], atol=1e-9)
+    poses[0, -1, 2:4] += 30.0  # passes through the goal at the first step only
+    assert cost.many(poses[:1])[0] > 2 and PoseCost(task.goal_frame, "best").many(poses[:1])[0] == 0
+    rng = np.random.default_rng(0)
+    near = goal + np.column_stack([rng.normal(0, 10, (400, 4)), rng.normal(0, 0.3, 400)])
+    costs = cost.many(near[:, None])
+    passed = np.array(
+        [reached(Scene(tuple(p[:2]), tuple(p[2:])), Scene(tuple(goal[:2]), tuple(goal[2:]))) for p in near]
+    )
+    assert np.array_equal(passed, costs < 1) and 0 < passed.sum() < 400
+    frames = np.stack([task.goal_frame, np.full((64, 64, 3), 255, np.uint8)])[:, None]
+    assert cost.many(frames)[0] == 0 and cost.many(frames)[1] == PoseCost.UNSEEN
+    start = task.start(64)[1]
+    seen = np.array(scene_row(estimate_scene(start, max_mismatch=math.inf)))
+    assert cost(start[None]) == cost.many(seen[None, None])[0] > 2
+    with pytest.raises(ValueError, match="frames must be one of last, best"):
+        PoseCost(task.goal_frame, "first")
+    with pytest.raises(ValueError, match="shows no agent or no block"):
+        PoseCost(np.full((64, 64, 3), 255, np.uint8))
+
+
+async def test_simulator_rollouts_give_the_true_poses_and_plan_an_easy_goal_on_the_pose_cost():
+    """`SimulatorRollouts(poses=True)` answers each step's true pose, what stepping a replica
+    gives, and the planner on `cost="pose"` with them reaches the easy goal; an unknown cost
+    is refused."""
+    from streamworld.pusht.data import scene_row
+    from streamworld.pusht.planning import SimulatorRollouts
+
+    task = make_task(1, 64, goal_steps=5)
+    world, _ = task.start(64)
+    try:
+        candidates = np.random.default_rng(1).uniform(0, 512, (3, 4, 2)).astype(np.float32)
+        rollouts = SimulatorRollouts(world, poses=True)
+        poses = await rollouts(candidates)
+        rollouts.close()
+        assert poses.shape == (3, 4, 5)
+        twin = world.replica()
+        for action, pose in zip(candidates[2], poses[2], strict=True):
+            twin.advance(action)
+            assert scene_row(twin.scene) == pose.tolist()
+        twin.close()
+    finally:
+        world.close()
+    config = CEMConfig(horizon=8, samples=16, elites=4, iterations=3, knot_frames=2, init_std=60.0)
+    result = await run_episode(
+        lambda frame, world: SimulatorRollouts(world, poses=True),
+        task,
+        config,
+        64,
+        budget=24,
+        execute=8,
+        cost="pose",
+    )
+    assert result.success, result.to_json()
+    with pytest.raises(ValueError, match="cost must be one of frame, pose"):
+        await run_episode(lambda frame, world: None, task, config, 64, cost="pixels")
+
+
+def test_a_frame_is_surprised_by_a_predicted_pose_whose_block_lies_further_than_the_tolerance():
+    """A predicted pose [5] is compared with the pose read off the real frame: the block 3 px
+    (24 world units) away surprises at a tolerance of 2 px and not of 4; a real frame with
+    nothing to read always surprises."""
+    task, _, goal = _pose_cost_task()
+    assert not surprised(task.goal_frame, goal, 0.5)
+    moved = goal.copy()
+    moved[2] += 24.0
+    assert surprised(task.goal_frame, moved, 2.0) and not surprised(task.goal_frame, moved, 4.0)
+    assert surprised(np.full((64, 64, 3), 255, np.uint8), goal, 100.0)
 
 
 def test_a_frame_is_surprised_only_by_a_block_further_than_the_tolerance_or_unseen():

@@ -344,6 +344,27 @@ def test_rollouts_from_a_frame_without_a_t_are_the_frame_unchanged():
     assert rollouts.unread
     out = asyncio.run(rollouts(np.zeros((2, 3, 2))))
     assert out.shape == (2, 3, 64, 64, 3) and (out == 255).all()
+    # Poses: none to give, which the pose cost scores alike for every candidate.
+    from streamworld.pusht.planning import PoseCost, make_task
+
+    poses = asyncio.run(SceneModelRollouts(_still(), blank, poses=True)(np.zeros((2, 3, 2))))
+    assert poses.shape == (2, 3, 5) and np.isnan(poses).all()
+    assert (PoseCost(make_task(3, 64).goal_frame).many(poses) == PoseCost.UNSEEN).all()
+
+
+def test_rollouts_with_poses_answer_the_models_rolled_out_poses_undrawn():
+    """`poses=True`: the answer is the model's `roll_out` from the scene the frame shows,
+    every step of it, with nothing drawn."""
+    torch.manual_seed(5)
+    moving = SceneModel(16, torch.tensor([3.0, 3.0, 1.0, 1.0, 0.02])).eval()
+    world = PushTWorld(64)
+    frame = world.reset(3)
+    world.close()
+    candidates = np.random.default_rng(0).uniform(0, 512, (3, 4, 2))
+    poses = asyncio.run(SceneModelRollouts(moving, frame, every_frame=False, poses=True)(candidates))
+    start = np.repeat([scene_row(estimate_scene(frame))], 3, 0)
+    np.testing.assert_array_equal(poses, moving.roll_out(start, candidates))
+    assert poses.shape == (3, 4, 5) and np.abs(poses[:, -1] - start).max() > 1  # it moved
 
 
 def test_rollouts_that_draw_only_the_last_frame_draw_it_as_all_of_them_do():
@@ -385,10 +406,21 @@ def test_eval_plan_draws_every_frame_only_where_something_reads_it(tmp_path):
     _still().save(path)
     frame = PushTWorld(64).reset(0)
     for cost_frames, replan_error, every in (("last", 0.0, False), ("best", 0.0, True), ("last", 3.0, True)):
-        args = argparse.Namespace(simulator=False, scene_model=path, model="pusht")
+        args = argparse.Namespace(simulator=False, scene_model=path, model="pusht", cost="frame")
         args.cost_frames, args.replan_error = cost_frames, replan_error
         rollouts_for = _rollouts_without_the_model(args)[2]
         assert rollouts_for(frame, None, 0).every_frame is every
+        assert not rollouts_for(frame, None, 0).poses
+    # The pose cost: poses, nothing drawn; in the true environment too.
+    args.cost = "pose"
+    assert _rollouts_without_the_model(args)[2](frame, None, 0).poses
+    world = PushTWorld(64)
+    world.reset(0)
+    args.simulator, args.scene_model = True, None
+    simulator = _rollouts_without_the_model(args)[2](frame, world, 0)
+    assert simulator.poses
+    simulator.close()
+    world.close()
 
 
 def test_eval_plan_with_a_scene_model_reports_it(tmp_path, capsys):

@@ -23,6 +23,8 @@ KV_MODES = ("clean", "final", "noisy")
 COST_FRAMES = ("last", "best")
 # streamworld.pusht.planning.WARM_STARTS, for the same reason; run_episode refuses any other.
 WARM_STARTS = ("mean", "plan")
+# streamworld.pusht.planning.COSTS, for the same reason; run_episode refuses any other.
+COSTS = ("frame", "pose")
 DEFAULT_MODEL = "pusht"  # the embedded PushT world model: the default of every command
 
 
@@ -206,9 +208,9 @@ def check_output_folder(flag: str, path: str | None) -> None:
 def add_search_arguments(group: argparse._ActionsContainer) -> None:
     """The planner's options after iCEM (--noise-beta, --keep-elites), a speed limit on its
     actions (--max-speed), which predicted frames its cost reads (--cost-frames) and push and
-    turn proposals (--proposals), the weight of its cost's shape term (--shape-weight), and
-    replanning when the real block strays from the prediction
-    (--replan-error); all but the shape weight off by default."""
+    turn proposals (--proposals), what its cost scores (--cost) and the weight of its frame
+    cost's shape term (--shape-weight), and replanning when the real block strays from the
+    prediction (--replan-error); all but the cost and the shape weight off by default."""
     group.add_argument(
         "--noise-beta",
         type=float,
@@ -252,16 +254,28 @@ def add_search_arguments(group: argparse._ActionsContainer) -> None:
 
 
 def _add_cost_and_replanning_arguments(group: argparse._ActionsContainer) -> None:
-    """--shape-weight (the cost's shape term), --replan-error (replanning on surprise) and
-    --warm-start (what a plan after the first starts from)."""
+    """--cost (what a candidate is scored on), --shape-weight (the frame cost's shape term),
+    --replan-error (replanning on surprise) and --warm-start (what a plan after the first
+    starts from)."""
+    group.add_argument(
+        "--cost",
+        choices=COSTS,
+        default="frame",
+        help="what a candidate is scored on: frame, the pixel distances of the agent and the block "
+        "located in its predicted frame from their places in the goal frame, plus the shape term "
+        "(--shape-weight); or pose, the success test itself: the larger of the distance of agent and "
+        "block together over 20 world units and the block's angle error over 20 degrees (below 1: the "
+        "goal is reached), against the pose read off the goal frame, from the poses the rollouts "
+        "predict (--scene-model, --simulator) or read off the predicted frames (default frame)",
+    )
     group.add_argument(
         "--shape-weight",
         type=float,
         default=200.0,
         metavar="W",
-        help="weight of the cost's shape term, the mean squared difference of the block's blurred colour "
-        "maps, which carries the block's angle, beside the agent's and the block's distances in pixels "
-        "(default 200)",
+        help="weight of the frame cost's shape term, the mean squared difference of the block's blurred "
+        "colour maps, which carries the block's angle, beside the agent's and the block's distances in "
+        "pixels (default 200; --cost pose has no shape term)",
     )
     group.add_argument(
         "--replan-error",

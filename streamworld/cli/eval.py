@@ -431,7 +431,8 @@ def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
         from ..pusht.planning import SimulatorRollouts
 
         planner = {"model": args.model, "rollouts": "simulator", "device": "cpu"}
-        return planner, size, lambda frame, world, seed: SimulatorRollouts(world), lambda: None
+        poses = args.cost == "pose"  # the cost reads poses: give them, drawing nothing
+        return planner, size, lambda frame, world, seed: SimulatorRollouts(world, poses), lambda: None
     from ..pusht.scene_model import SceneModel, SceneModelRollouts
 
     scene_model = SceneModel.load(args.scene_model)
@@ -446,10 +447,11 @@ def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
     # Only the cost's last frame is read unless the cost reads every frame or a replan
     # compares each step's predicted frame with the real one.
     every_frame = args.cost_frames != "last" or args.replan_error > 0
+    poses = args.cost == "pose"
     return (
         planner,
         size,
-        lambda frame, world, seed: SceneModelRollouts(scene_model, frame, every_frame),
+        lambda frame, world, seed: SceneModelRollouts(scene_model, frame, every_frame, poses),
         lambda: None,
     )
 
@@ -474,9 +476,11 @@ async def _plan_episodes(seeds: list[int], config, args: argparse.Namespace, on_
     counters: the engines' counters so far, None in the true environment; after the last
     episode, the run's)."""
     async with _rollouts(args, config) as (planner, size, rollouts_for, counters):
-        # On a GPU the cost scores each fork's frames there at once; on a CPU NumPy reads
-        # them one by one, which is faster there (pusht/batch_locate.py).
-        cost_device = planner["device"] if planner["device"].startswith("cuda") else None
+        # On a GPU the frame cost scores each fork's frames there at once; on a CPU NumPy reads
+        # them one by one, which is faster there (pusht/batch_locate.py). The pose cost reads
+        # on the host.
+        on_gpu = planner["device"].startswith("cuda") and args.cost == "frame"
+        cost_device = planner["device"] if on_gpu else None
         planned = {**planner, "cost_device": cost_device or "host"}
         slots = asyncio.Semaphore(args.concurrent)
 
@@ -552,6 +556,7 @@ async def _run_episode(args: argparse.Namespace, config, seed: int, size: int, r
         replan_error=args.replan_error,
         shape_weight=args.shape_weight,
         warm_start=args.warm_start,
+        cost=args.cost,
     )
 
 
@@ -590,6 +595,7 @@ def _plan_report(
         "goal_steps": args.goal_steps,
         "budget": args.budget,
         "execute": args.execute or config.horizon,
+        "cost": args.cost,
         "cost_frames": args.cost_frames,
         "proposals": args.proposals,
         "replan_error": args.replan_error,

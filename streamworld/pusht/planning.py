@@ -18,6 +18,10 @@ episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.
   so carries its angle. The model predicts frames only, and the cost reads frames only.
   With `cost_frames="best"` a candidate is scored on its frame nearest the goal instead of
   its last, since the success test holds at whichever step the environment reaches it.
+  `cost="pose"` (`PoseCost`) scores the success test itself instead: how far the agent's
+  and the block's positions and the block's angle are from the pose read off the goal
+  frame, each over its tolerance, from the poses the rollouts predict (a scene model's,
+  the true environment's) or read off their frames.
 - **Proposals.** Optionally (`run_episode(proposals=N)`, `--proposals N`), push and turn
   paths laid out from the observed and goal frames (`proposals.py`) join each plan's first
   iteration.
@@ -38,10 +42,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..planning import CEMConfig, Plan, Rollouts, cem, close_rollouts
+from .data import scene_row
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
+from .pose import estimate_scene
 from .proposals import PushProposals
-from .world import PushTWorld, Scene, angle_error, box_mean, locate, palette_weights
+from .world import WORLD_SIZE, PushTWorld, Scene, angle_error, box_mean, locate, palette_weights
 
 GOAL_STEPS = 25
 BUDGET = 50
@@ -103,6 +109,9 @@ def _block_map(weights: np.ndarray) -> np.ndarray:
 
 
 COST_FRAMES = ("last", "best")
+# What a candidate is scored on (`run_episode`'s `cost`): its frames (`frame_cost`) or its
+# poses (`PoseCost`).
+COSTS = ("frame", "pose")
 # What a plan after the first samples around (`run_episode`'s `warm_start`).
 WARM_STARTS = ("mean", "plan")
 
@@ -173,23 +182,79 @@ class FrameCost:
         return float(self.size) if p is None or q is None else math.dist(p, q)
 
 
+class PoseCost:
+    """Cost of a candidate against the goal in the success test's own terms: the larger of
+    the distance of (agent x, agent y, block x, block y) from the goal's over
+    `POSITION_TOLERANCE` and the block's angle error over `ANGLE_TOLERANCE`. A pose passes
+    the success test exactly where it costs less than 1, and the cost says by how much.
+
+    The goal's pose is read off the goal frame (`pose.estimate_scene`), as the planner is
+    given the goal as a frame. A candidate is poses [H, 5] (agent x, y, block x, y, angle:
+    what `SceneModelRollouts` and `SimulatorRollouts` predict with `poses=True`) or frames
+    [H, S, S, 3], whose poses are read the same way; a frame that shows no agent or no
+    block costs `UNSEEN`. `frames` (`COST_FRAMES`): the last pose is scored, or the one
+    nearest the goal."""
+
+    # More than any pose in the arena can cost: positions at most 512 * 2 units apart, angles pi.
+    UNSEEN = 2 * 512 / POSITION_TOLERANCE
+
+    def __init__(self, goal_frame: np.ndarray, frames: str = "last") -> None:
+        if frames not in COST_FRAMES:
+            raise ValueError(f"frames must be one of {', '.join(COST_FRAMES)}, got {frames!r}")
+        goal = estimate_scene(goal_frame, max_mismatch=math.inf)
+        if goal is None:
+            raise ValueError("the goal frame shows no agent or no block to read the goal's pose from")
+        self.goal, self.mode = np.array(scene_row(goal)), frames
+
+    def __call__(self, candidate: np.ndarray) -> float:
+        return float(self.many(np.asarray(candidate)[None])[0])
+
+    def many(self, candidates: np.ndarray) -> np.ndarray:
+        """The costs [K] of candidates: poses [K, H, 5] or frames [K, H, S, S, 3]."""
+        candidates = np.asarray(candidates)
+        if self.mode == "last":
+            candidates = candidates[:, -1:]
+        poses = candidates.astype(np.float64)
+        if candidates.ndim == 5:  # frames: read
+            poses = np.array([[self._read(frame) for frame in frames] for frames in candidates])
+        position = np.linalg.norm(poses[..., :4] - self.goal[:4], axis=-1) / POSITION_TOLERANCE
+        turned = np.abs((poses[..., 4] - self.goal[4] + math.pi) % (2 * math.pi) - math.pi)
+        costs = np.maximum(position, turned / ANGLE_TOLERANCE)  # NaN stays NaN
+        return np.where(np.isnan(costs), self.UNSEEN, costs).min(1)
+
+    @staticmethod
+    def _read(frame: np.ndarray) -> list[float]:
+        scene = estimate_scene(frame, max_mismatch=math.inf)
+        return [math.nan] * 5 if scene is None else scene_row(scene)
+
+
 class SimulatorRollouts:
     """Rollouts in the true environment instead of the model: each candidate runs in a
-    replica of `world` as it is now, and its frames are drawn as the model's would be. With
-    the same search and cost, planning with these is what a perfect model would reach, so
-    it separates what the model costs from what the search and the cost cost
-    (`eval pusht --plan --simulator`)."""
+    replica of `world` as it is now, and its frames are drawn as the model's would be, or
+    (`poses=True`, for `PoseCost`) its true poses [K, H, 5] are given instead. With the same
+    search and cost, planning with these is what a perfect model would reach, so it
+    separates what the model costs from what the search and the cost cost (`eval pusht
+    --plan --simulator`)."""
 
-    def __init__(self, world: PushTWorld) -> None:
+    def __init__(self, world: PushTWorld, poses: bool = False) -> None:
         self.world = world.replica()  # a snapshot: the real world moves on after the plan
+        self.poses = poses
 
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
-        out = np.empty((*candidates.shape[:2], self.world.size, self.world.size, 3), np.uint8)
+        size = self.world.size
+        if self.poses:
+            out = np.empty((*candidates.shape[:2], 5))
+        else:
+            out = np.empty((*candidates.shape[:2], size, size, 3), np.uint8)
         for k, actions in enumerate(candidates):
             twin = self.world.replica()
             try:
                 for h, action in enumerate(actions):
-                    out[k, h] = twin.step(action)
+                    if self.poses:
+                        twin.advance(action)
+                        out[k, h] = scene_row(twin.scene)
+                    else:
+                        out[k, h] = twin.step(action)
             finally:
                 twin.close()
             await asyncio.sleep(0)  # seconds of physics: let the event loop breathe
@@ -243,6 +308,7 @@ async def run_episode(
     replan_error: float = 0.0,
     shape_weight: float = SHAPE_WEIGHT,
     warm_start: str = "mean",
+    cost: str = "frame",
 ) -> EpisodeResult:
     """Model-predictive control: plan with `cem` from the observed frame, run the plan's
     first `execute` actions (default: the whole horizon) in the real environment, and again,
@@ -261,18 +327,24 @@ async def run_episode(
     is corrected at once while a plan that goes as predicted runs on. `warm_start`: what each
     plan after the first samples around, moved past the executed steps (`_shifted`): the last
     plan's final distribution (`mean`: the mean of its last elites) or the plan it chose
-    (`plan`: its own knots), which `cem` tries first either way."""
-    _check_options(replan_error, shape_weight, warm_start)
+    (`plan`: its own knots), which `cem` tries first either way. `cost` (`COSTS`): what a
+    candidate is scored on, its frames (`frame_cost`, with `shape_weight` and
+    `cost_device`) or its poses (`PoseCost`: rollouts made with `poses=True`, or frames
+    whose poses are read)."""
+    _check_options(replan_error, shape_weight, warm_start, cost)
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
-    cost = frame_cost(task.goal_frame, shape_weight, frames=cost_frames, device=cost_device)
+    if cost == "pose":
+        scorer: FrameCost | PoseCost = PoseCost(task.goal_frame, cost_frames)
+    else:
+        scorer = frame_cost(task.goal_frame, shape_weight, frames=cost_frames, device=cost_device)
     result = EpisodeResult(task.seed, reached(world.scene, task.goal), 0, 0, frames=[frame] if record else [])
     mean = None
     propose = PushProposals(task.goal_frame, proposals) if proposals else None
     try:
         while not result.success and result.steps < budget:
-            plan = await _plan(rollouts_for, frame, world, cost, config, rng, mean, record, propose)
+            plan = await _plan(rollouts_for, frame, world, scorer, config, rng, mean, record, propose)
             result.plans += 1
             result.plan_seconds.append(plan.seconds)
             result.branches += plan.branches
@@ -290,8 +362,10 @@ async def run_episode(
     return result
 
 
-def _check_options(replan_error: float, shape_weight: float, warm_start: str) -> None:
+def _check_options(replan_error: float, shape_weight: float, warm_start: str, cost: str) -> None:
     """`run_episode`'s checks of its options: ValueError naming the one that is wrong."""
+    if cost not in COSTS:
+        raise ValueError(f"cost must be one of {', '.join(COSTS)}, got {cost!r}")
     if not replan_error >= 0:  # also refuses nan
         raise ValueError(f"replan_error must be >= 0, got {replan_error}")
     if not shape_weight >= 0:
@@ -304,7 +378,7 @@ async def _plan(
     rollouts_for: Callable[[np.ndarray, PushTWorld], Rollouts | Awaitable[Rollouts]],
     frame: np.ndarray,
     world: PushTWorld,
-    cost: FrameCost,
+    cost: FrameCost | PoseCost,
     config: CEMConfig,
     rng: np.random.Generator,
     mean: np.ndarray | None,
@@ -361,7 +435,12 @@ def _execute(
 
 def surprised(real: np.ndarray, predicted: np.ndarray, tolerance: float) -> bool:
     """Whether the block in the `real` frame lies more than `tolerance` pixels from the block
-    in the `predicted` one (`locate`), or is seen in only one of them."""
+    in the `predicted` one (`locate`), or is seen in only one of them. A `predicted` pose
+    [5] (`PoseCost`'s rollouts) is compared with the pose read off the real frame."""
+    if predicted.ndim == 1:
+        scene = estimate_scene(real, max_mismatch=math.inf)
+        unit = WORLD_SIZE / real.shape[1]
+        return scene is None or math.dist(scene.block[:2], predicted[2:4]) / unit > tolerance
     seen, expected = locate(real).block, locate(predicted).block
     if seen is None or expected is None:
         return (seen is None) != (expected is None)

@@ -383,12 +383,19 @@ class SceneModelRollouts:
     Drawing, not the model, is what a plan's time goes to, so only the frames something
     reads are drawn: with `every_frame` False, each candidate's last frame alone, frames
     [K, 1, S, S, 3], which is all a cost on the last frame reads (`cost_frames="last"`
-    without `replan_error`); with True (the default), all H of them."""
+    without `replan_error`); with True (the default), all H of them.
 
-    def __init__(self, model: SceneModel, frame: np.ndarray, every_frame: bool = True) -> None:
+    With `poses=True` nothing is drawn: the predicted poses [K, H, 5] are the answer, for
+    `planning.PoseCost` (NaN where the observed frame shows no T, which that cost scores
+    alike for every candidate)."""
+
+    def __init__(
+        self, model: SceneModel, frame: np.ndarray, every_frame: bool = True, poses: bool = False
+    ) -> None:
         self.model = model
         self.frame = frame
         self.every_frame = every_frame
+        self.poses = poses
         self.scene = estimate_scene(frame)
 
     @property
@@ -398,9 +405,13 @@ class SceneModelRollouts:
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
         k, h = candidates.shape[:2]
         drawn = h if self.every_frame else 1
+        if self.scene is None and self.poses:
+            return np.full((k, h, OUTPUTS), np.nan)
         if self.scene is None:
             return np.broadcast_to(self.frame, (k, drawn, *self.frame.shape)).copy()
         start = np.broadcast_to(np.array(scene_row(self.scene), np.float64), (k, OUTPUTS))
+        if self.poses:
+            return self.model.roll_out(start, candidates)
         scenes = self.model.roll_out(start, candidates)[:, h - drawn :]
         world = process_world(self.frame.shape[1])
         out = np.empty((k, drawn, *self.frame.shape), np.uint8)

@@ -645,8 +645,15 @@ def test_the_pose_cost_reads_the_goal_off_its_frame_and_scores_the_success_tests
     assert cost(start[None]) == cost.many(seen[None, None])[0] > 2
     with pytest.raises(ValueError, match="frames must be one of last, best"):
         PoseCost(task.goal_frame, "first")
-    with pytest.raises(ValueError, match="shows no agent or no block"):
-        PoseCost(np.full((64, 64, 3), 255, np.uint8))
+    # A goal whose block has left the arena's view (seed 88's): the agent alone is scored,
+    # as the frame cost does; a goal frame showing nothing scores every candidate alike.
+    out_of_view = PoseCost(make_task(88, 64).goal_frame)
+    assert np.isnan(out_of_view.goal[2:]).all() and not np.isnan(out_of_view.goal[:2]).any()
+    poses = np.repeat(np.r_[out_of_view.goal[:2], goal[2:]][None, None], 3, 0)
+    poses[1, 0, 2:] += 100.0  # the block elsewhere: no matter
+    poses[2, 0, 1] += 20.0
+    np.testing.assert_allclose(out_of_view.many(poses), [0, 0, 1], atol=1e-9)
+    assert (PoseCost(np.full((64, 64, 3), 255, np.uint8)).many(poses) == 0).all()
 
 
 async def test_simulator_rollouts_give_the_true_poses_and_plan_an_easy_goal_on_the_pose_cost():

@@ -45,7 +45,7 @@ from ..planning import CEMConfig, Plan, Rollouts, cem, close_rollouts
 from .data import scene_row
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
-from .pose import estimate_scene
+from .pose import estimate_scene, fit_block
 from .proposals import PushProposals
 from .world import WORLD_SIZE, PushTWorld, Scene, angle_error, box_mean, locate, palette_weights
 
@@ -188,12 +188,14 @@ class PoseCost:
     `POSITION_TOLERANCE` and the block's angle error over `ANGLE_TOLERANCE`. A pose passes
     the success test exactly where it costs less than 1, and the cost says by how much.
 
-    The goal's pose is read off the goal frame (`pose.estimate_scene`), as the planner is
-    given the goal as a frame. A candidate is poses [H, 5] (agent x, y, block x, y, angle:
-    what `SceneModelRollouts` and `SimulatorRollouts` predict with `poses=True`) or frames
-    [H, S, S, 3], whose poses are read the same way; a frame that shows no agent or no
-    block costs `UNSEEN`. `frames` (`COST_FRAMES`): the last pose is scored, or the one
-    nearest the goal."""
+    The goal's pose is read off the goal frame (`locate`, `pose.fit_block`), as the planner
+    is given the goal as a frame. Where the goal frame does not show the agent or the block
+    (a block pushed out of the arena's view: 2 of seeds 0-799), `goal` holds NaN there and
+    the cost scores what it shows, as the frame cost does. A candidate is poses [H, 5]
+    (agent x, y, block x, y, angle: what `SceneModelRollouts` and `SimulatorRollouts`
+    predict with `poses=True`) or frames [H, S, S, 3], whose poses are read the same way
+    (`pose.estimate_scene`); a frame that shows no agent or no block costs `UNSEEN`.
+    `frames` (`COST_FRAMES`): the last pose is scored, or the one nearest the goal."""
 
     # More than any pose in the arena can cost: positions at most 512 * 2 units apart, angles pi.
     UNSEEN = 2 * 512 / POSITION_TOLERANCE
@@ -201,10 +203,15 @@ class PoseCost:
     def __init__(self, goal_frame: np.ndarray, frames: str = "last") -> None:
         if frames not in COST_FRAMES:
             raise ValueError(f"frames must be one of {', '.join(COST_FRAMES)}, got {frames!r}")
-        goal = estimate_scene(goal_frame, max_mismatch=math.inf)
-        if goal is None:
-            raise ValueError("the goal frame shows no agent or no block to read the goal's pose from")
-        self.goal, self.mode = np.array(scene_row(goal)), frames
+        agent, fitted = locate(goal_frame).agent, fit_block(goal_frame)
+        unit = WORLD_SIZE / goal_frame.shape[1]
+        self.goal = np.array(
+            [
+                *(np.multiply(agent, unit) if agent else [math.nan] * 2),
+                *(fitted[0] if fitted else [math.nan] * 3),
+            ]
+        )
+        self.mode = frames
 
     def __call__(self, candidate: np.ndarray) -> float:
         return float(self.many(np.asarray(candidate)[None])[0])
@@ -217,9 +224,11 @@ class PoseCost:
         poses = candidates.astype(np.float64)
         if candidates.ndim == 5:  # frames: read
             poses = np.array([[self._read(frame) for frame in frames] for frames in candidates])
-        position = np.linalg.norm(poses[..., :4] - self.goal[:4], axis=-1) / POSITION_TOLERANCE
+        shown = ~np.isnan(self.goal)  # what the goal frame shows is scored; a NaN pose stays NaN
+        position = np.linalg.norm(np.where(shown[:4], poses[..., :4] - self.goal[:4], 0.0), axis=-1)
         turned = np.abs((poses[..., 4] - self.goal[4] + math.pi) % (2 * math.pi) - math.pi)
-        costs = np.maximum(position, turned / ANGLE_TOLERANCE)  # NaN stays NaN
+        turned = np.where(shown[4], turned, 0.0)
+        costs = np.maximum(position / POSITION_TOLERANCE, turned / ANGLE_TOLERANCE)
         return np.where(np.isnan(costs), self.UNSEEN, costs).min(1)
 
     @staticmethod

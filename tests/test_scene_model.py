@@ -481,3 +481,28 @@ def test_the_plan_ranking_benchmark_ranks_with_a_scene_model(tmp_path):
         [*cmd, "--scene-model", str(tmp_path / "none.safetensors")], cwd=root, capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--scene-model:" in bad.stderr
+
+
+def test_the_shipped_scene_model_plans_easy_goals_on_the_pose_cost(tmp_path):
+    """`--scene-model shipped` is the package's `walls` model, and with `--cost pose` it
+    reaches easy goals (5 recorded steps away) with the search docs/planning.md measures."""
+    from streamworld.cli import main
+
+    out = tmp_path / "plan.json"
+    args = [
+        "eval",
+        "pusht-delta",
+        "--plan",
+        "--scene-model",
+        "shipped",
+        "--cost",
+        "pose",
+        "--noise-beta",
+        "2",
+    ]
+    args += ["--keep-elites", "2", "--proposals", "6", "--seeds", "0-3", "--goal-steps", "5"]
+    assert main([*args, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["scene_model"] == "pusht-scene.safetensors" and report["scene_model_kind"] == "walls"
+    assert report["cost"] == "pose" and report["complete"]
+    assert sum(e["success"] for e in report["episodes"]) >= 3, report["episodes"]

@@ -5,7 +5,8 @@ the scenes it predicts.
 It is the dynamics half of a world model that carries the block's pose (docs/pusht.md,
 "Learning the pushes is what is hard, not drawing them"). `benchmarks/pusht_state_dynamics.py`
 trains it, one step ahead or through rollouts, and writes it with `--save`;
-`streamworld eval pusht --plan --scene-model FILE` plans with it in the world model's place,
+`streamworld eval pusht --plan --scene-model FILE` (or `shipped`, `SHIPPED`) plans with it
+in the world model's place,
 starting each plan from the scene `pose.estimate_scene` reads off the observed frame, at
 rest, as the world model starts each plan from that frame alone.
 
@@ -60,6 +61,10 @@ K_P, K_V, SUBSTEPS, DT = 100.0, 20.0, 10, 0.01
 FORMAT = "streamworld-pusht-scene-model/1"
 MAX_FILE_BYTES = 16 << 20  # a width-256 model is about 0.6 MB
 MAX_WIDTH = 1024
+# The scene model the package ships (`eval --plan --scene-model shipped`): a `walls` model,
+# width 256, trained through rollouts of 8 on 4,500 episodes drawn like the planner's
+# candidates (docs/pusht.md, "The arena's walls"; its metadata holds the options).
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "weights" / "pusht-scene.safetensors"
 
 
 def _xp(a):

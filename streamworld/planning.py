@@ -134,8 +134,9 @@ async def cem(
     (`config.actions`: knots held, or headed for at `max_speed` from `start`), roll them all out
     as one fork, refit mean and spread to the `elites` cheapest (of these and the
     `keep_elites` carried from the last iteration), `iterations` times. `cost` maps one
-    candidate's predicted frames to a number (lower is better); a cost with a method
-    `many(frames)` is given the whole fork's frames at once instead. `keep_candidates` keeps every
+    candidate's predicted frames (or whatever the rollouts answer, e.g. poses) to a number
+    (lower is better); a cost with a method `many(frames)` is given the whole fork's frames
+    at once instead. `keep_candidates` keeps every
     candidate's frames of the fork the plan came from (to show them). `proposals` [P, knots,
     action_dim] (e.g. `pusht.proposals.PushProposals`) take the places of P of the first
     iteration's random samples, after the mean; the cost weighs them like any other. With

@@ -15,7 +15,8 @@ episode, following the protocol of DINO-WM and stable-worldmodel (docs/planning.
   distances of the agent and of the block from their places in the goal frame (the
   project's locator), which fall smoothly as a candidate ends nearer, plus the squared
   difference of the block's blurred colour weights, which compares the whole T shape and
-  so carries its angle. The model predicts frames only, and the cost reads frames only.
+  so carries its angle. The world model predicts frames only, and this cost reads frames
+  only.
   With `cost_frames="best"` a candidate is scored on its frame nearest the goal instead of
   its last, since the success test holds at whichever step the environment reaches it.
   `cost="pose"` (`PoseCost`) scores the success test itself instead: how far the agent's

@@ -6,9 +6,8 @@ It is the dynamics half of a world model that carries the block's pose (docs/pus
 "Learning the pushes is what is hard, not drawing them"). `benchmarks/pusht_state_dynamics.py`
 trains it, one step ahead or through rollouts, and writes it with `--save`;
 `streamworld eval pusht --plan --scene-model FILE` (or `shipped`, `SHIPPED`) plans with it
-in the world model's place,
-starting each plan from the scene `pose.estimate_scene` reads off the observed frame, at
-rest, as the world model starts each plan from that frame alone.
+in the world model's place, starting each plan from the scene `pose.estimate_scene` reads
+off the observed frame, at rest, as the world model starts each plan from that frame alone.
 
 Three kinds of model (`KINDS`), all seeing each step in the block's own frame (so a push
 looks the same wherever the block is):

@@ -345,10 +345,7 @@ async def run_episode(
     execute = execute or config.horizon
     rng = np.random.default_rng(seed)
     world, frame = task.start(size)
-    if cost == "pose":
-        scorer: FrameCost | PoseCost = PoseCost(task.goal_frame, cost_frames)
-    else:
-        scorer = frame_cost(task.goal_frame, shape_weight, frames=cost_frames, device=cost_device)
+    scorer = _episode_cost(task.goal_frame, cost, cost_frames, shape_weight, cost_device)
     result = EpisodeResult(task.seed, reached(world.scene, task.goal), 0, 0, frames=[frame] if record else [])
     mean = None
     propose = PushProposals(task.goal_frame, proposals) if proposals else None
@@ -370,6 +367,15 @@ async def run_episode(
     finally:
         world.close()
     return result
+
+
+def _episode_cost(
+    goal_frame: np.ndarray, cost: str, frames: str, shape_weight: float, device: str | None
+) -> FrameCost | PoseCost:
+    """`run_episode`'s cost: `PoseCost` for `cost="pose"`, else `frame_cost`."""
+    if cost == "pose":
+        return PoseCost(goal_frame, frames)
+    return frame_cost(goal_frame, shape_weight, frames=frames, device=device)
 
 
 def _check_options(replan_error: float, shape_weight: float, warm_start: str, cost: str) -> None:

@@ -438,11 +438,11 @@ def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
     from ..models import get_preset
 
     size = get_preset(args.model).height
+    poses = args.cost == "pose"  # the cost reads poses: give them, drawing nothing
     if args.simulator:
         from ..pusht.planning import SimulatorRollouts
 
         planner = {"model": args.model, "rollouts": "simulator", "device": "cpu"}
-        poses = args.cost == "pose"  # the cost reads poses: give them, drawing nothing
         return planner, size, lambda frame, world, seed: SimulatorRollouts(world, poses), lambda: None
     from ..pusht.scene_model import SceneModel, SceneModelRollouts
 
@@ -458,7 +458,6 @@ def _rollouts_without_the_model(args: argparse.Namespace) -> tuple:
     # Only the cost's last frame is read unless the cost reads every frame or a replan
     # compares each step's predicted frame with the real one.
     every_frame = args.cost_frames != "last" or args.replan_error > 0
-    poses = args.cost == "pose"
     return (
         planner,
         size,

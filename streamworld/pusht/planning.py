@@ -46,7 +46,7 @@ from ..planning import CEMConfig, Plan, Rollouts, cem, close_rollouts
 from .data import scene_row
 from .evaluate import POLICY_SEED_OFFSET
 from .policy import ScriptedPolicy
-from .pose import estimate_scene, fit_block
+from .pose import estimate_scene, read_scene_row
 from .proposals import PushProposals
 from .world import WORLD_SIZE, PushTWorld, Scene, angle_error, box_mean, locate, palette_weights
 
@@ -189,13 +189,13 @@ class PoseCost:
     `POSITION_TOLERANCE` and the block's angle error over `ANGLE_TOLERANCE`. A pose passes
     the success test exactly where it costs less than 1, and the cost says by how much.
 
-    The goal's pose is read off the goal frame (`locate`, `pose.fit_block`), as the planner
-    is given the goal as a frame. Where the goal frame does not show the agent or the block
+    The goal's pose is read off the goal frame (`pose.read_scene_row`), as the planner is
+    given the goal as a frame. Where the goal frame does not show the agent or the block
     (a block pushed out of the arena's view: 2 of seeds 0-799), `goal` holds NaN there and
     the cost scores what it shows, as the frame cost does. A candidate is poses [H, 5]
     (agent x, y, block x, y, angle: what `SceneModelRollouts` and `SimulatorRollouts`
-    predict with `poses=True`) or frames [H, S, S, 3], whose poses are read the same way
-    (`pose.estimate_scene`); a frame that shows no agent or no block costs `UNSEEN`.
+    predict with `poses=True`) or frames [H, S, S, 3], whose poses are read the same way; a
+    frame that shows no agent or no block costs `UNSEEN`.
     `frames` (`COST_FRAMES`): the last pose is scored, or the one nearest the goal."""
 
     # More than any pose in the arena can cost: positions at most 512 * 2 units apart, angles pi.
@@ -204,15 +204,7 @@ class PoseCost:
     def __init__(self, goal_frame: np.ndarray, frames: str = "last") -> None:
         if frames not in COST_FRAMES:
             raise ValueError(f"frames must be one of {', '.join(COST_FRAMES)}, got {frames!r}")
-        agent, fitted = locate(goal_frame).agent, fit_block(goal_frame)
-        unit = WORLD_SIZE / goal_frame.shape[1]
-        self.goal = np.array(
-            [
-                *(np.multiply(agent, unit) if agent else [math.nan] * 2),
-                *(fitted[0] if fitted else [math.nan] * 3),
-            ]
-        )
-        self.mode = frames
+        self.goal, self.mode = read_scene_row(goal_frame), frames
 
     def __call__(self, candidate: np.ndarray) -> float:
         return float(self.many(np.asarray(candidate)[None])[0])
@@ -227,15 +219,14 @@ class PoseCost:
             poses = np.array([[self._read(frame) for frame in frames] for frames in candidates])
         shown = ~np.isnan(self.goal)  # what the goal frame shows is scored; a NaN pose stays NaN
         position = np.linalg.norm(np.where(shown[:4], poses[..., :4] - self.goal[:4], 0.0), axis=-1)
-        turned = np.abs((poses[..., 4] - self.goal[4] + math.pi) % (2 * math.pi) - math.pi)
-        turned = np.where(shown[4], turned, 0.0)
-        costs = np.maximum(position / POSITION_TOLERANCE, turned / ANGLE_TOLERANCE)
+        turned = np.where(shown[4], angle_error(poses[..., 4], self.goal[4]), 0.0)
+        costs = np.maximum(position / POSITION_TOLERANCE, turned / math.degrees(ANGLE_TOLERANCE))
         return np.where(np.isnan(costs), self.UNSEEN, costs).min(1)
 
     @staticmethod
-    def _read(frame: np.ndarray) -> list[float]:
-        scene = estimate_scene(frame, max_mismatch=math.inf)
-        return [math.nan] * 5 if scene is None else scene_row(scene)
+    def _read(frame: np.ndarray) -> np.ndarray:
+        row = read_scene_row(frame)
+        return np.full(5, math.nan) if np.isnan(row).any() else row  # all or nothing: `UNSEEN`
 
 
 class SimulatorRollouts:
@@ -288,6 +279,14 @@ class EpisodeResult:
     frames: list[np.ndarray] = field(default_factory=list)  # the real frames, start first
     # With record=True: each plan in order, with the frames of the candidates it was chosen from.
     recorded_plans: list[Plan] = field(default_factory=list)
+
+    def add_plan(self, plan: Plan, record: bool) -> None:
+        """Count a plan made for this episode (and keep it, when recording)."""
+        self.plans += 1
+        self.plan_seconds.append(plan.seconds)
+        self.branches += plan.branches
+        if record:
+            self.recorded_plans.append(plan)
 
     def to_json(self) -> dict:
         return {
@@ -352,17 +351,11 @@ async def run_episode(
     try:
         while not result.success and result.steps < budget:
             plan = await _plan(rollouts_for, frame, world, scorer, config, rng, mean, record, propose)
-            result.plans += 1
-            result.plan_seconds.append(plan.seconds)
-            result.branches += plan.branches
-            if record:
-                result.recorded_plans.append(plan)
+            result.add_plan(plan, record)
             actions = plan.actions[: min(execute, budget - result.steps)]
-            before = result.steps
             frame = _execute(world, frame, actions, task, result, record, plan.frames, replan_error)
-            result.executed.append(result.steps - before)
             kept = plan.mean if warm_start == "mean" else plan.knots
-            mean = _shifted(kept, result.steps - before, config.knot_frames)
+            mean = _shifted(kept, result.executed[-1], config.knot_frames)
         result.final_error = state_error(world.scene, task.goal)
     finally:
         world.close()
@@ -428,10 +421,12 @@ def _execute(
 ) -> np.ndarray:
     """Run `actions` in the real environment from `frame` until the goal is reached, or, with
     `replan_error`, until the real frame is `surprised` by the `predicted` one for that step
-    (with actions left), counting the steps in `result`; the last frame observed. Only
+    (with actions left), counting the steps in `result` (and in `result.executed`, the
+    plan's); the last frame observed. Only
     the frames something reads are drawn: every step's when recording or checking for
     surprise, else the last one (the next plan's observation)."""
     every_frame = record or bool(replan_error)
+    before = result.steps
     for h, action in enumerate(actions):
         if every_frame:
             frame = world.step(action)
@@ -446,6 +441,7 @@ def _execute(
         if replan_error and h + 1 < len(actions) and surprised(frame, predicted[h], replan_error):
             result.replans_early += 1
             break
+    result.executed.append(result.steps - before)
     return frame if every_frame or not len(actions) else world.render()
 
 

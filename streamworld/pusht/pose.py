@@ -125,6 +125,18 @@ def estimate_scene(frame: np.ndarray, max_mismatch: float = MAX_MISMATCH) -> Sce
     return Scene((found.agent[0] * unit, found.agent[1] * unit), pose)
 
 
+def read_scene_row(frame: np.ndarray) -> np.ndarray:
+    """[5]: what `estimate_scene` reads off a frame, as a row (agent x, y, block x, y, angle),
+    with NaN for the agent or the block where it is not visible, and the block fitted
+    whatever its mismatch."""
+    weights = palette_weights(frame)
+    found = locate(frame, weights)
+    unit = WORLD_SIZE / frame.shape[1]
+    agent = np.multiply(found.agent, unit) if found.agent is not None else [np.nan] * 2
+    block = _fit_block(weights, found.block)[0] if found.block is not None else [np.nan] * 3
+    return np.array([*agent, *block], np.float64)
+
+
 def fit_block(frame: np.ndarray) -> tuple[tuple[float, float, float], float] | None:
     """The block's pose (x, y, angle) that best explains a frame, and the fit's mismatch (0
     for a perfect T), or None where no block is visible (`locate`)."""

@@ -409,9 +409,9 @@ class SceneModelRollouts:
     async def __call__(self, candidates: np.ndarray) -> np.ndarray:
         k, h = candidates.shape[:2]
         drawn = h if self.every_frame else 1
-        if self.scene is None and self.poses:
-            return np.full((k, h, OUTPUTS), np.nan)
         if self.scene is None:
+            if self.poses:
+                return np.full((k, h, OUTPUTS), np.nan)
             return np.broadcast_to(self.frame, (k, drawn, *self.frame.shape)).copy()
         start = np.broadcast_to(np.array(scene_row(self.scene), np.float64), (k, OUTPUTS))
         if self.poses:

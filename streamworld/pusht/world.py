@@ -56,9 +56,10 @@ class Scene:
         return {"agent": list(self.agent), "block": list(self.block)}
 
 
-def angle_error(a: float, b: float) -> float:
-    """|a - b| in degrees for two angles in radians, the short way round (nan if either is)."""
-    return abs(math.degrees((a - b + math.pi) % (2 * math.pi) - math.pi))
+def angle_error(a, b):
+    """|a - b| in degrees for two angles in radians (floats or arrays), the short way round
+    (nan if either is)."""
+    return np.abs(np.degrees((a - b + math.pi) % (2 * math.pi) - math.pi))
 
 
 class PushTWorld:
